@@ -1,0 +1,113 @@
+"""Named SQL queries, read from ``sql/queries/*.sql`` at import.
+
+Each query starts with a header in the sqlc/procrastinate style::
+
+    -- name: run_claim :many
+    -- Start a new attempt on queued runs; fenced by state.
+    SELECT ...
+
+The kind after the name says how many rows the query returns (``:one``, ``:many``,
+``:exec``). Parameters are named only (``%(name)s``). A duplicate or malformed name fails
+at import, so a broken file can never reach a running worker.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from typing import Literal, LiteralString, cast
+
+_HEADER = re.compile(r"^-- name: (?P<name>[a-z][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
+_POSITIONAL = re.compile(r"(?<!%)%s")
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    name: str
+    kind: Literal["one", "many", "exec"]
+    purpose: str
+    sql: LiteralString
+    source: str
+
+
+class QueryFileError(ValueError):
+    """A malformed query file; raised at import time."""
+
+
+def parse(text: str, source: str) -> list[Query]:
+    queries: list[Query] = []
+    current: dict[str, str] | None = None
+    body: list[str] = []
+
+    def flush() -> None:
+        if current is None:
+            return
+        sql = "\n".join(body).strip()
+        if not sql:
+            raise QueryFileError(f"{source}: query {current['name']!r} has no SQL")
+        if _POSITIONAL.search(sql):
+            raise QueryFileError(f"{source}: query {current['name']!r} uses %s; name it")
+        queries.append(
+            Query(
+                name=current["name"],
+                kind=cast(Literal["one", "many", "exec"], current["kind"]),
+                purpose=current["purpose"],
+                sql=cast(LiteralString, sql),
+                source=source,
+            )
+        )
+
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("-- name:"):
+            match = _HEADER.match(line)
+            if match is None:
+                raise QueryFileError(f"{source}:{i + 1}: malformed header {line!r}")
+            flush()
+            purpose_line = lines[i + 1] if i + 1 < len(lines) else ""
+            if not purpose_line.startswith("-- ") or purpose_line.startswith("-- name:"):
+                raise QueryFileError(
+                    f"{source}:{i + 2}: query {match['name']!r} needs a one-line purpose comment"
+                )
+            current = {
+                "name": match["name"],
+                "kind": match["kind"],
+                "purpose": purpose_line[3:].strip(),
+            }
+            body = []
+            i += 2
+            continue
+        if current is not None:
+            body.append(line)
+        elif line.strip() and not line.startswith("--"):
+            raise QueryFileError(f"{source}:{i + 1}: SQL before the first '-- name:' header")
+        i += 1
+    flush()
+    return queries
+
+
+def load() -> dict[str, Query]:
+    found: dict[str, Query] = {}
+    folder = resources.files("queues.sql") / "queries"
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        for query in parse(entry.read_text(encoding="utf-8"), f"sql/queries/{entry.name}"):
+            if query.name in found:
+                raise QueryFileError(
+                    f"query {query.name!r} defined twice: {found[query.name].source} "
+                    f"and {query.source}"
+                )
+            found[query.name] = query
+    return found
+
+
+QUERIES = load()
+
+
+def q(name: str) -> LiteralString:
+    """The SQL text of a named query."""
+    return QUERIES[name].sql

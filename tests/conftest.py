@@ -1,0 +1,145 @@
+"""The real-Postgres test harness.
+
+One throwaway Postgres per test session (or the server named by ``WORKER_TEST_DATABASE_URL``),
+a template database built once with the real migration runner, and per test either
+
+- ``conn``: a connection inside one transaction that is rolled back (fast, the default), or
+- ``db_url``: a fresh clone of the template (for commits, several connections,
+  LISTEN/NOTIFY, a worker in-process or a subprocess).
+
+A server leaked by an earlier, killed run is swept at session start. A missing database is a
+failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from queues import migrations
+from worker import embedded
+
+SWEEP_ROOT = Path(tempfile.gettempdir()) / "worker-tests"
+TEMPLATE = "wq_template"
+_counter = itertools.count()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_leaked() -> None:
+    """Stop and remove test servers whose owning pytest process is gone."""
+    if not SWEEP_ROOT.exists():
+        return
+    for home in SWEEP_ROOT.iterdir():
+        owner = home / "owner.pid"
+        try:
+            pid = int(owner.read_text())
+        except (OSError, ValueError):
+            pid = 0
+        if pid and _pid_alive(pid):
+            continue
+        try:
+            embedded.stop(home, mode="immediate")
+        except Exception:  # noqa: BLE001 - best effort on a leftover directory
+            pass
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    params = conninfo_to_dict(url)
+    params["dbname"] = dbname
+    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> Iterator[str]:
+    """A superuser URL on a server this session may create databases on."""
+    given = os.environ.get("WORKER_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    SWEEP_ROOT.mkdir(parents=True, exist_ok=True)
+    SWEEP_ROOT.chmod(0o755)
+    _sweep_leaked()
+    home = Path(tempfile.mkdtemp(prefix="run-", dir=SWEEP_ROOT))
+    home.chmod(0o755)
+    (home / "owner.pid").write_text(str(os.getpid()))
+    server = embedded.ensure_running(home)
+    try:
+        yield server.url("postgres")
+    finally:
+        embedded.stop(home, mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def _migrate_template(admin_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(admin_url, autocommit=True) as admin:
+        await admin.execute(f"DROP DATABASE IF EXISTS {TEMPLATE} WITH (FORCE)")
+        await admin.execute(f"CREATE DATABASE {TEMPLATE}")
+    url = with_dbname(admin_url, TEMPLATE)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await migrations.migrate(conn)
+
+
+@pytest.fixture(scope="session")
+def template_url(pg_admin_url: str) -> str:
+    asyncio.run(_migrate_template(pg_admin_url))
+    return with_dbname(pg_admin_url, TEMPLATE)
+
+
+async def clone_database(admin_url: str, name: str) -> str:
+    async with await psycopg.AsyncConnection.connect(admin_url, autocommit=True) as admin:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        await admin.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
+    return with_dbname(admin_url, name)
+
+
+async def drop_database(admin_url: str, name: str) -> None:
+    async with await psycopg.AsyncConnection.connect(admin_url, autocommit=True) as admin:
+        await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+async def db_url(pg_admin_url: str, template_url: str) -> AsyncIterator[str]:
+    """A fresh clone of the migrated template, dropped after the test."""
+    name = f"wq_test_{os.getpid()}_{next(_counter)}"
+    url = await clone_database(pg_admin_url, name)
+    migrations.forget_verified()
+    try:
+        yield url
+    finally:
+        await drop_database(pg_admin_url, name)
+
+
+@pytest.fixture(scope="session")
+def shared_url(pg_admin_url: str, template_url: str) -> str:
+    """One clone shared by rolled-back-transaction tests."""
+    return asyncio.run(clone_database(pg_admin_url, f"wq_shared_{os.getpid()}"))
+
+
+@pytest.fixture
+async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[object]]:
+    """A connection in one transaction that is rolled back after the test."""
+    connection = await psycopg.AsyncConnection.connect(shared_url)
+    try:
+        yield connection  # type: ignore[misc]
+    finally:
+        await connection.rollback()
+        await connection.close()

@@ -1,0 +1,66 @@
+"""Logging, configured once at the CLI entry point (never at import).
+
+JSON lines when stderr is not a terminal, the console renderer when it is. procrastinate's
+and psycopg's stdlib loggers go through the same processor chain, so every line of a
+process has one shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure(*, level: str = "INFO", json: bool | None = None) -> None:
+    global _configured  # noqa: PLW0603 - configure-once guard for the process
+    if _configured:
+        return
+    _configured = True
+    use_json = (not sys.stderr.isatty()) if json is None else json
+    shared: list[structlog.types.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info if use_json else _identity,
+            renderer,
+        ],
+    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # Libraries are chatty at INFO; their warnings still come through the same pipeline.
+    for name in ("procrastinate", "psycopg", "psycopg.pool"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def _identity(
+    _logger: object, _name: str, event_dict: structlog.types.EventDict
+) -> structlog.types.EventDict:
+    return event_dict
