@@ -72,7 +72,7 @@ def encode_params(params: Any) -> tuple[Mapping[str, Any], int]:
         raise InvalidField(
             f"params must be a JSON object, got {type(params).__name__}",
             field="params",
-            rule="a JSON object such as {\"limit\": 10}",
+            rule='a JSON object such as {"limit": 10}',
             fix="wrap the value in an object",
         )
     try:
@@ -232,9 +232,10 @@ async def submit(
         raise IdempotencyConflict("idempotency key vanished during admission; retry")
     existing_id, existing_play, existing_params, _state, existing_lane = existing
     if existing_play != sub.play or existing_params != json.loads(json.dumps(params)):
+        differs = f"play {existing_play!r}" if existing_play != sub.play else "other params"
         raise IdempotencyConflict(
             f"idempotency key {sub.idempotency_key!r} of org {sub.org!r} already admitted run "
-            f"{existing_id} with {'play ' + repr(existing_play) if existing_play != sub.play else 'other params'}",
+            f"{existing_id} with {differs}",
             field="idempotency_key",
             rule="one key admits one request (same play and params)",
             fix="use a new key for a different request",

@@ -54,8 +54,9 @@ def read_rows(path: Path) -> list[Row]:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise _refuse(path, line, f"not UTF-8 (byte 0x{raw[exc.start]:02x})",
-                      "re-save the file as UTF-8") from exc
+        raise _refuse(
+            path, line, f"not UTF-8 (byte 0x{raw[exc.start]:02x})", "re-save the file as UTF-8"
+        ) from exc
     suffix = path.suffix.lower()
     if suffix in {".jsonl", ".ndjson"}:
         rows = list(_jsonl(path, text))
@@ -95,11 +96,19 @@ def _jsonl(path: Path, text: str) -> Iterator[Row]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise _refuse(path, line_no, f"invalid JSON ({exc.msg} at column {exc.colno})",
-                          "fix the line so it holds one JSON object") from exc
+            raise _refuse(
+                path,
+                line_no,
+                f"invalid JSON ({exc.msg} at column {exc.colno})",
+                "fix the line so it holds one JSON object",
+            ) from exc
         if not isinstance(value, dict):
-            raise _refuse(path, line_no, f"expected a JSON object, got {type(value).__name__}",
-                          "make each line one JSON object")
+            raise _refuse(
+                path,
+                line_no,
+                f"expected a JSON object, got {type(value).__name__}",
+                "make each line one JSON object",
+            )
         yield _key(value, line_no), value
 
 
@@ -119,14 +128,18 @@ def _csv(path: Path, text: str) -> Iterator[Row]:
         except StopIteration:
             return
         except csv.Error as exc:
-            raise _refuse(path, reader.line_num, f"malformed CSV: {exc}",
-                          "fix the quoting on that line") from exc
+            raise _refuse(
+                path, reader.line_num, f"malformed CSV: {exc}", "fix the quoting on that line"
+            ) from exc
         if not values:
             continue
         if len(values) != len(header):
-            raise _refuse(path, reader.line_num,
-                          f"{len(values)} fields where the header has {len(header)}",
-                          "give every row as many fields as the header")
+            raise _refuse(
+                path,
+                reader.line_num,
+                f"{len(values)} fields where the header has {len(header)}",
+                "give every row as many fields as the header",
+            )
         row = dict(zip(header, values, strict=True))
         yield _key(row, reader.line_num), row
 

@@ -83,7 +83,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int, *, rng: random.Random | None = None) -> float:
         """Seconds to wait before the attempt after ``attempt`` (1-based) failed."""
-        raw = min(self.cap_s, self.base_s * (2 ** max(0, attempt - 1)))
+        raw = min(self.cap_s, self.base_s * 2.0 ** max(0, attempt - 1))
         if self.jitter <= 0 or raw <= 0:
             return raw
         spread = raw * self.jitter

@@ -14,13 +14,13 @@ every applied file. ``migrate`` records it; every other process only reads it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
-import functools
 import threading
 from dataclasses import dataclass
 from importlib import resources
-from typing import LiteralString, cast
+from typing import Any, LiteralString, cast
 
 import psycopg
 
@@ -86,9 +86,7 @@ def code_migrations() -> list[Migration]:
             )
         numbers[number] = entry.name
         text = entry.read_text(encoding="utf-8")
-        found.append(
-            Migration(name=entry.name[:-4], number=number, checksum=_sha(text), sql=text)
-        )
+        found.append(Migration(name=entry.name[:-4], number=number, checksum=_sha(text), sql=text))
     return found
 
 
@@ -128,7 +126,7 @@ class MigrateReport:
     contract: Contract
 
 
-async def _applied(conn: psycopg.AsyncConnection[object]) -> dict[str, str] | None:
+async def _applied(conn: psycopg.AsyncConnection[Any]) -> dict[str, str] | None:
     """Applied migrations (name -> checksum), or None when the table does not exist."""
     cur = await conn.execute("SELECT to_regclass('wq_migrations') IS NOT NULL")
     row = await cur.fetchone()
@@ -155,7 +153,7 @@ def _check_history(applied: dict[str, str], code: list[Migration]) -> None:
             )
 
 
-async def pending(conn: psycopg.AsyncConnection[object]) -> list[str]:
+async def pending(conn: psycopg.AsyncConnection[Any]) -> list[str]:
     """Names of the code's migrations the database has not applied (read-only)."""
     code = code_migrations()
     applied = await _applied(conn) or {}
@@ -163,7 +161,7 @@ async def pending(conn: psycopg.AsyncConnection[object]) -> list[str]:
     return [m.name for m in code if m.name not in applied]
 
 
-async def migrate(conn: psycopg.AsyncConnection[object]) -> MigrateReport:
+async def migrate(conn: psycopg.AsyncConnection[Any]) -> MigrateReport:
     """Apply every pending migration; idempotent and safe to run concurrently.
 
     ``conn`` must be in autocommit mode: each file gets its own transaction.
@@ -189,7 +187,7 @@ async def migrate(conn: psycopg.AsyncConnection[object]) -> MigrateReport:
                         {"n": migration.name, "c": migration.checksum},
                     )
                     # No parameters: the text is sent as is (procrastinate's schema contains %).
-                    await conn.execute(cast(LiteralString, migration.sql))
+                    await conn.execute(cast(LiteralString, migration.sql))  # type: ignore[redundant-cast]
             except psycopg.Error as exc:
                 raise MigrationFailed(
                     f"migration {migration.name!r} failed: {str(exc).strip()}",
@@ -212,7 +210,7 @@ async def migrate(conn: psycopg.AsyncConnection[object]) -> MigrateReport:
     return MigrateReport(applied=applied_now, contract=contract)
 
 
-async def read_contract(conn: psycopg.AsyncConnection[object]) -> Contract | None:
+async def read_contract(conn: psycopg.AsyncConnection[Any]) -> Contract | None:
     cur = await conn.execute("SELECT to_regclass('wq_schema_contract') IS NOT NULL")
     exists = await cur.fetchone()
     if exists is None or not exists[0]:
@@ -242,7 +240,7 @@ _verified_lock = threading.Lock()
 
 
 async def verify_contract(
-    conn: psycopg.AsyncConnection[object], *, url: str, schema: str = "public"
+    conn: psycopg.AsyncConnection[Any], *, url: str, schema: str = "public"
 ) -> None:
     """Refuse a database that is not at the code's schema; read-only, memoized on success.
 

@@ -165,15 +165,25 @@ def failed(
     if retryable and not policy.exhausted(attempt):
         at = now + timedelta(seconds=policy.delay(attempt))
         return Finish(
-            run_id, attempt, RunState.QUEUED, Outcome.FAILED, "retry_scheduled",
-            error=error, spawn=True, spawn_at=at,
+            run_id,
+            attempt,
+            RunState.QUEUED,
+            Outcome.FAILED,
+            "retry_scheduled",
+            error=error,
+            spawn=True,
+            spawn_at=at,
         )
     return Finish(run_id, attempt, RunState.FAILED, Outcome.FAILED, "run_failed", error=error)
 
 
 def cancelled(run_id: uuid.UUID, attempt: int, reason: str | None) -> Finish:
     return Finish(
-        run_id, attempt, RunState.CANCELLED, Outcome.CANCELLED, "run_cancelled",
+        run_id,
+        attempt,
+        RunState.CANCELLED,
+        Outcome.CANCELLED,
+        "run_cancelled",
         error={"type": "Cancelled", "message": reason or "cancelled"},
     )
 
@@ -188,9 +198,14 @@ def suspended(
     run_id: uuid.UUID, attempt: int, *, wake_at: datetime | None, wait_event: str | None
 ) -> Finish:
     return Finish(
-        run_id, attempt, RunState.SLEEPING, Outcome.SUSPENDED,
+        run_id,
+        attempt,
+        RunState.SLEEPING,
+        Outcome.SUSPENDED,
         "run_waiting" if wait_event else "run_sleeping",
-        spawn=wake_at is not None, spawn_at=wake_at, wait_event=wait_event,
+        spawn=wake_at is not None,
+        spawn_at=wake_at,
+        wait_event=wait_event,
     )
 
 
@@ -382,9 +397,7 @@ async def emit(conn: psycopg.AsyncConnection[Any], name: str, payload: Any = Non
     return Emitted(first=bool(row[0]), woken=int(row[1]))
 
 
-async def emitted_payload(
-    conn: psycopg.AsyncConnection[Any], name: str
-) -> tuple[bool, Any]:
+async def emitted_payload(conn: psycopg.AsyncConnection[Any], name: str) -> tuple[bool, Any]:
     """(emitted, payload) of an event name."""
     cur = await conn.execute(q("event_get"), {"name": name})
     row = await cur.fetchone()

@@ -14,12 +14,14 @@ failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -55,10 +57,8 @@ def _sweep_leaked() -> None:
             pid = 0
         if pid and _pid_alive(pid):
             continue
-        try:
+        with contextlib.suppress(Exception):  # best effort on a leftover directory
             embedded.stop(home, mode="immediate")
-        except Exception:  # noqa: BLE001 - best effort on a leftover directory
-            pass
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -135,7 +135,7 @@ def shared_url(pg_admin_url: str, template_url: str) -> str:
 
 
 @pytest.fixture
-async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[object]]:
+async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     """A connection in one transaction that is rolled back after the test."""
     connection = await psycopg.AsyncConnection.connect(shared_url)
     try:

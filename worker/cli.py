@@ -101,8 +101,7 @@ def migrate(state: State, check: bool) -> None:
                     return 1
                 contract = migrations.code_contract()
                 click.echo(
-                    f"schema is current: version {contract.version} "
-                    f"(checksum {contract.checksum})"
+                    f"schema is current: version {contract.version} (checksum {contract.checksum})"
                 )
                 return 0
             report = await migrations.migrate(conn)
@@ -184,13 +183,26 @@ def parse_run_id(value: str) -> uuid.UUID:
 @cli.command()
 @release_option
 @click.option("--app", "app", default=None, help="module:attribute of your play Registry.")
-@click.option("--concurrency", type=click.IntRange(1, 1000), default=None,
-              help="Runs at once (default: the lane's policy).")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1000),
+    default=None,
+    help="Runs at once (default: the lane's policy).",
+)
 @click.option("--adopt", multiple=True, help="Also consume this release's lane (repeatable).")
-@click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write this file once the worker is ready.")
-@click.option("--grace", type=click.FloatRange(0, 3600), default=20.0, show_default=True,
-              help="Seconds running attempts get to finish on SIGTERM before hand-back.")
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write this file once the worker is ready.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(0, 3600),
+    default=20.0,
+    show_default=True,
+    help="Seconds running attempts get to finish on SIGTERM before hand-back.",
+)
 @pass_state
 def start(
     state: State,
@@ -219,8 +231,12 @@ def start(
 
 def _read_params(params: str | None, params_file: Path | None) -> dict[str, Any]:
     if params and params_file:
-        raise InvalidField("both --params and --params-file given", field="--params",
-                           rule="one source of params", fix="pass only one of them")
+        raise InvalidField(
+            "both --params and --params-file given",
+            field="--params",
+            rule="one source of params",
+            fix="pass only one of them",
+        )
     text, source = (params, "--params") if params else (None, "--params-file")
     if params_file is not None:
         text = params_file.read_text(encoding="utf-8")
@@ -231,7 +247,9 @@ def _read_params(params: str | None, params_file: Path | None) -> dict[str, Any]
     except json.JSONDecodeError as exc:
         raise InvalidField(
             f"{source} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-            field=source, rule="a JSON object", fix="fix the JSON (quote keys and strings)",
+            field=source,
+            rule="a JSON object",
+            fix="fix the JSON (quote keys and strings)",
         ) from exc
     admission.encode_params(value)
     result: dict[str, Any] = value
@@ -241,11 +259,19 @@ def _read_params(params: str | None, params_file: Path | None) -> dict[str, Any]
 @cli.command()
 @click.argument("play_name", metavar="PLAY")
 @click.option("--params", default=None, help="Params as a JSON object.")
-@click.option("--params-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="Read params from a JSON file.")
-@click.option("--input", "input_path",
-              type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
-              help="Input rows: a .csv (with header) or .jsonl file.")
+@click.option(
+    "--params-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Read params from a JSON file.",
+)
+@click.option(
+    "--input",
+    "input_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Input rows: a .csv (with header) or .jsonl file.",
+)
 @release_option
 @click.option("--org", default="default", show_default=True, help="Organisation of the run.")
 @click.option("--idempotency-key", default=None, help="Key that makes the submit idempotent.")
@@ -369,9 +395,11 @@ def cancel(state: State, run_id: str, reason: str | None) -> None:
         async with conn:
             res = await runs.cancel(conn, rid, reason=reason)
         if not res.changed:
-            click.echo(f"run {rid} is {res.before}: nothing to cancel"
-                       if res.before in {"succeeded", "failed", "cancelled"}
-                       else f"run {rid}: cancellation already requested")
+            click.echo(
+                f"run {rid} is {res.before}: nothing to cancel"
+                if res.before in {"succeeded", "failed", "cancelled"}
+                else f"run {rid}: cancellation already requested"
+            )
         elif res.after == "cancelled":
             click.echo(f"run {rid} cancelled (was {res.before})")
         else:
@@ -390,15 +418,25 @@ def emit(state: State, event: str, payload: str | None) -> None:
     try:
         value = json.loads(payload) if payload else None
     except json.JSONDecodeError as exc:
-        raise InvalidField(f"--payload is not valid JSON: {exc.msg}", field="--payload",
-                           rule="JSON", fix="fix the JSON") from exc
+        raise InvalidField(
+            f"--payload is not valid JSON: {exc.msg}",
+            field="--payload",
+            rule="JSON",
+            fix="fix the JSON",
+        ) from exc
 
     async def go() -> int:
         conn = await db.connect(state.url, autocommit=True)
         async with conn:
             res = await runs.emit(conn, event, value)
-        click.echo(f"event {event!r} " + (f"emitted; woke {res.woken} run(s)" if res.first
-                                          else "was already emitted (first emit wins)"))
+        click.echo(
+            f"event {event!r} "
+            + (
+                f"emitted; woke {res.woken} run(s)"
+                if res.first
+                else "was already emitted (first emit wins)"
+            )
+        )
         return 0
 
     sys.exit(run(go()))
@@ -410,14 +448,20 @@ def runs_group() -> None:
 
 
 @runs_group.command("list")
-@click.option("--state", "state_", type=click.Choice([s.value for s in runs.RunState]),
-              default=None, help="Only runs in this state.")
+@click.option(
+    "--state",
+    "state_",
+    type=click.Choice([s.value for s in runs.RunState]),
+    default=None,
+    help="Only runs in this state.",
+)
 @click.option("--release", default=None, help="Only runs of this release.")
 @click.option("--limit", type=click.IntRange(1, 10000), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_state
-def runs_list(state: State, state_: str | None, release: str | None, limit: int,
-              as_json: bool) -> None:
+def runs_list(
+    state: State, state_: str | None, release: str | None, limit: int, as_json: bool
+) -> None:
     """Recent runs, newest first."""
     lane = lanes.lane_name(release) if release else None
 
@@ -429,8 +473,10 @@ def runs_list(state: State, state_: str | None, release: str | None, limit: int,
             emit_json([observe.run_dict(r) for r in found])
         else:
             for r in found:
-                click.echo(f"{r.id}  {r.state:<9}  {r.play:<16} {r.lane:<16} attempt={r.attempt}"
-                           f"  rows={r.rows_done}/{r.rows_admitted}  {r.created_at:%Y-%m-%d %H:%M:%S}")
+                click.echo(
+                    f"{r.id}  {r.state:<9}  {r.play:<16} {r.lane:<16} attempt={r.attempt}"
+                    f"  rows={r.rows_done}/{r.rows_admitted}  {r.created_at:%Y-%m-%d %H:%M:%S}"
+                )
         return 0
 
     sys.exit(run(go()))
@@ -451,11 +497,21 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
             tries = await runs.attempts(conn, rid)
             ledger = await runs.events(conn, rid)
         data = observe.run_dict(run_) | {
-            "attempts": [{"attempt": a.attempt, "worker": a.worker_id, "outcome": a.outcome,
-                          "error": a.error, "started_at": a.started_at,
-                          "finished_at": a.finished_at} for a in tries],
-            "events": [{"id": e.id, "kind": e.kind, "attempt": e.attempt, "data": e.data,
-                        "at": e.at} for e in ledger],
+            "attempts": [
+                {
+                    "attempt": a.attempt,
+                    "worker": a.worker_id,
+                    "outcome": a.outcome,
+                    "error": a.error,
+                    "started_at": a.started_at,
+                    "finished_at": a.finished_at,
+                }
+                for a in tries
+            ],
+            "events": [
+                {"id": e.id, "kind": e.kind, "attempt": e.attempt, "data": e.data, "at": e.at}
+                for e in ledger
+            ],
         }
         if as_json:
             emit_json(data)
@@ -482,13 +538,24 @@ def queues_list(state: State, as_json: bool) -> None:
         async with conn:
             found = await lanes.list_lanes(conn)
         if as_json:
-            emit_json([{"lane": s.name, "release": s.release, "state": s.state,
-                        "unfinished": s.unfinished, "live_workers": s.live_workers}
-                       for s in found])
+            emit_json(
+                [
+                    {
+                        "lane": s.name,
+                        "release": s.release,
+                        "state": s.state,
+                        "unfinished": s.unfinished,
+                        "live_workers": s.live_workers,
+                    }
+                    for s in found
+                ]
+            )
         else:
             for s in found:
-                click.echo(f"{s.name:<24} {s.state:<10} unfinished={s.unfinished:<6} "
-                           f"live_workers={s.live_workers}")
+                click.echo(
+                    f"{s.name:<24} {s.state:<10} unfinished={s.unfinished:<6} "
+                    f"live_workers={s.live_workers}"
+                )
         return 0
 
     sys.exit(run(go()))
@@ -541,16 +608,23 @@ def queues_reclaim(state: State, release: str, force: bool) -> None:
         conn = await db.connect(state.url, autocommit=True)
         async with conn:
             rep = await lanes.reclaim(conn, release, force=force)
-        click.echo(f"lane {rep.lane} reclaimed (was {rep.was}; {rep.unfinished} unfinished "
-                   f"run(s); {rep.jobs_cancelled} waiting job(s) cancelled)")
+        click.echo(
+            f"lane {rep.lane} reclaimed (was {rep.was}; {rep.unfinished} unfinished "
+            f"run(s); {rep.jobs_cancelled} waiting job(s) cancelled)"
+        )
         return 0
 
     sys.exit(run(go()))
 
 
 @cli.command()
-@click.option("--rows", type=click.IntRange(1, 3000), default=3000, show_default=True,
-              help="How many sample rows to enrich.")
+@click.option(
+    "--rows",
+    type=click.IntRange(1, 3000),
+    default=3000,
+    show_default=True,
+    help="How many sample rows to enrich.",
+)
 @pass_state
 def demo(state: State, rows: int) -> None:
     """Migrate, start a worker, enrich a bundled sample live, summarise, shut down."""
@@ -580,4 +654,3 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(exc: WorkerError) -> None:
     click.echo(f"error[{exc.code}]: {exc.render()}", err=True)
-

@@ -35,7 +35,7 @@ COMMIT_VARIABLES = (
 
 
 def _truthy(value: str | None) -> bool:
-    return bool(value) and value.strip().lower() not in {"0", "false", "no", "off"}
+    return value is not None and value.strip().lower() not in {"", "0", "false", "no", "off"}
 
 
 def admission_only(env: Mapping[str, str] | None = None) -> bool:
@@ -110,8 +110,8 @@ def redact(url: str) -> str:
         parts = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "<malformed url>"
-    host = parts.get("host") or "localhost"
-    port = parts.get("port") or "5432"
-    user = parts.get("user") or ""
-    dbname = parts.get("dbname") or ""
+    host = str(parts.get("host") or "localhost")
+    port = str(parts.get("port") or "5432")
+    user = str(parts.get("user") or "")
+    dbname = str(parts.get("dbname") or "")
     return f"postgresql://{user + '@' if user else ''}{host}:{port}/{dbname}"

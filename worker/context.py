@@ -24,7 +24,7 @@ from worker.plays import CleanupFn
 STEP_LEASE_S = 60.0
 
 
-class Suspend(BaseException):  # noqa: N818 - control flow, not an error
+class Suspend(BaseException):
     """Raised inside a play to leave the worker durably (sleep or event wait).
 
     A BaseException so that a play's ``except Exception`` cannot swallow it.
@@ -190,7 +190,7 @@ class RunContext:
     async def sleep(self, seconds: float) -> None:
         """Suspend the run durably for ``seconds``; it leaves the worker meanwhile."""
         now = await self._now()
-        wake_iso = await self.step("$sleep", lambda: (now + timedelta(seconds=seconds)).isoformat())
+        wake_iso = await self.step("$sleep", (now + timedelta(seconds=seconds)).isoformat)
         wake_at = datetime.fromisoformat(wake_iso)
         if await self._now() >= wake_at:
             return
@@ -250,4 +250,3 @@ class Sheet:
                 completions=completions,
                 raise_on_superseded=raise_on_superseded,
             )
-

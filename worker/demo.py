@@ -47,9 +47,11 @@ async def enrich(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     counts = {"rows": 0, "enriched": 0, "replayed": 0, "already_terminal": 0}
     async for page in ctx.input_pages():
         admission = await sheet.admit(page)
-        open_keys = set(admission.keys(sheets.Disposition.ADMITTED)) | set(
-            admission.keys(sheets.Disposition.READMITTED)
-        ) | set(admission.keys(sheets.Disposition.ALREADY_CURRENT))
+        open_keys = (
+            set(admission.keys(sheets.Disposition.ADMITTED))
+            | set(admission.keys(sheets.Disposition.READMITTED))
+            | set(admission.keys(sheets.Disposition.ALREADY_CURRENT))
+        )
         counts["rows"] += len(page)
         counts["already_terminal"] += len(page) - len(open_keys)
         todo = [(key, row) for key, row in page if key in open_keys]

@@ -26,8 +26,9 @@ async def run_demo(url: str, *, rows: int, echo: Callable[[str], None]) -> int:
         report = await migrations.migrate(conn)
         echo(f"schema ready (version {report.contract.version})")
     worker = runtime.Worker(
-        runtime.Settings(url=url, release=DEMO_RELEASE, registry=demo_plays, concurrency=4,
-                         grace_s=5.0)
+        runtime.Settings(
+            url=url, release=DEMO_RELEASE, registry=demo_plays, concurrency=4, grace_s=5.0
+        )
     )
     serving = asyncio.create_task(worker.run())
     ready = asyncio.create_task(worker.ready.wait())
@@ -41,8 +42,9 @@ async def run_demo(url: str, *, rows: int, echo: Callable[[str], None]) -> int:
         async with conn:
             admitted = await admission.Admitter().submit(
                 conn,
-                admission.Submission(play="enrich", params={"page_delay_s": 0.3},
-                                     release=DEMO_RELEASE),
+                admission.Submission(
+                    play="enrich", params={"page_delay_s": 0.3}, release=DEMO_RELEASE
+                ),
                 url=url,
                 known_plays=demo_plays.names(),
                 inputs=sample,

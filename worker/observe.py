@@ -75,7 +75,8 @@ async def follow(url: str, run_id: uuid.UUID, echo: Callable[[str], None]) -> in
             for event in await runs.events(listener, run_id, after=last_event):
                 last_event = event.id
                 detail = json.dumps(event.data, sort_keys=True, default=str) if event.data else ""
-                echo(f"{event.at:%H:%M:%S} {event.kind:<18} attempt={event.attempt or '-'} {detail}")
+                attempt = event.attempt or "-"
+                echo(f"{event.at:%H:%M:%S} {event.kind:<18} attempt={attempt} {detail}")
             run = await runs.get(listener, run_id)
             bar = progress_bar(run.rows_done, run.rows_admitted)
             if bar and bar != last_bar:

@@ -23,7 +23,7 @@ CleanupFn = Callable[["RunContext"], Awaitable[None]]
 _NAME = re.compile(r"^[a-z][a-z0-9_.-]{0,99}$")
 
 
-class Fatal(Exception):  # noqa: N818 - a play raises Fatal to say "do not retry"
+class Fatal(Exception):
     """Raised by a play for a failure that retrying cannot fix (bad params, 4xx)."""
 
 

@@ -49,8 +49,9 @@ class Settings:
     adopt: tuple[str, ...] = ()  # extra releases whose lanes this worker also consumes
     ready_file: Path | None = None
     grace_s: float = 20.0
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:"
-                           f"{uuid.uuid4().hex[:6]}")
+    worker_id: str = field(
+        default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    )
 
 
 @dataclass
@@ -85,7 +86,10 @@ class Worker:
         """Run until stopped; returns the process exit code."""
         concurrency_hint = self.s.concurrency or 16
         self.pool = AsyncConnectionPool(
-            self.s.url, min_size=2, max_size=concurrency_hint + 4, open=False,
+            self.s.url,
+            min_size=2,
+            max_size=concurrency_hint + 4,
+            open=False,
             kwargs={"autocommit": True},
         )
         await self.pool.open(wait=True, timeout=30)
@@ -129,18 +133,22 @@ class Worker:
             asyncio.create_task(self._notify_loop(listener), name="listen"),
         ]
         if self.s.ready_file is not None:
-            self.s.ready_file.write_text(json.dumps({"worker_id": self.s.worker_id,
-                                                    "lanes": self.lane_names}))
-        log.info("worker_ready", lanes=self.lane_names, release=self.s.release,
-                 concurrency=self.s.concurrency)
+            self.s.ready_file.write_text(
+                json.dumps({"worker_id": self.s.worker_id, "lanes": self.lane_names})
+            )
+        log.info(
+            "worker_ready",
+            lanes=self.lane_names,
+            release=self.s.release,
+            concurrency=self.s.concurrency,
+        )
         self.ready.set()
         exit_code = 0
         stop_wait = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             if task is not stop_wait and task.exception() is not None:
-                log.error("worker_loop_crashed", loop=task.get_name(),
-                          error=repr(task.exception()))
+                log.error("worker_loop_crashed", loop=task.get_name(), error=repr(task.exception()))
                 exit_code = 1
         self.stopping.set()
         await self._drain()
@@ -257,9 +265,7 @@ class Worker:
         self.live[c.run_id] = _Live(c, ctx, task)
 
     async def _execute(self, c: runs.Claimed, ctx: RunContext) -> None:
-        structlog.contextvars.bind_contextvars(
-            run_id=str(c.run_id), attempt=c.attempt, lane=c.lane
-        )
+        structlog.contextvars.bind_contextvars(run_id=str(c.run_id), attempt=c.attempt, lane=c.lane)
         started = time.perf_counter()
         assert c.attempt is not None
         play = self.s.registry.get(c.play or "")
@@ -271,8 +277,9 @@ class Worker:
         except asyncio.CancelledError:
             final = await self._stopped(c, ctx)
         except Suspend as suspend:
-            final = runs.suspended(c.run_id, c.attempt, wake_at=suspend.wake_at,
-                                   wait_event=suspend.event)
+            final = runs.suspended(
+                c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
+            )
             if suspend.event is not None:
                 final = await self._suspend_for_event(c, ctx, final, suspend.event)
         except FenceError as exc:
@@ -281,10 +288,16 @@ class Worker:
             assert self.pool is not None
             async with self.pool.connection() as conn:
                 await runs.mark_superseded(conn, c.run_id, c.attempt)
-        except Exception as exc:  # noqa: BLE001 - a play's failure is data, not a crash
+        except Exception as exc:
             error = _error_of(exc)
-            final = runs.failed(c.run_id, c.attempt, error, c.retry, now=datetime.now(UTC),
-                                retryable=not isinstance(exc, Fatal | WorkerError))
+            final = runs.failed(
+                c.run_id,
+                c.attempt,
+                error,
+                c.retry,
+                now=datetime.now(UTC),
+                retryable=not isinstance(exc, Fatal | WorkerError),
+            )
         applied = True
         if final is not None:
             applied = await self._submit_finish(final)
@@ -313,9 +326,12 @@ class Worker:
             json.dumps(result)
         except (TypeError, ValueError) as exc:
             return runs.failed(
-                c.run_id, c.attempt,
+                c.run_id,
+                c.attempt,
                 {"type": "ResultNotJSON", "message": f"the play's result is not JSON: {exc}"},
-                c.retry, now=datetime.now(UTC), retryable=False,
+                c.retry,
+                now=datetime.now(UTC),
+                retryable=False,
             )
         return runs.succeeded(c.run_id, c.attempt, result)
 
@@ -330,7 +346,7 @@ class Worker:
             for hook in hooks:
                 try:
                     await hook(ctx)
-                except Exception as exc:  # noqa: BLE001 - report and go on with the others
+                except Exception as exc:
                     log.warning("cleanup_hook_failed", error=repr(exc))
             return runs.cancelled(c.run_id, c.attempt, "cancel requested")
         if reason == "lease_lost":
@@ -388,12 +404,14 @@ class Worker:
         ttl = self.lane.lease_ttl_s
         while True:
             await asyncio.sleep(period)
-            leases = [(run_id, live.claimed.attempt or 0) for run_id, live in self.live.items()
-                      if live.stop_reason is None]
+            leases = [
+                (run_id, live.claimed.attempt or 0)
+                for run_id, live in self.live.items()
+                if live.stop_reason is None
+            ]
             try:
                 async with self.pool.connection(timeout=period) as conn:
-                    renewed = await runs.heartbeat(conn, worker_id=self.s.worker_id,
-                                                   leases=leases)
+                    renewed = await runs.heartbeat(conn, worker_id=self.s.worker_id, leases=leases)
                     await runs.worker_heartbeat(conn, self.s.worker_id)
             except (psycopg.Error, TimeoutError) as exc:
                 silent = time.monotonic() - self._last_renewal
@@ -404,9 +422,13 @@ class Worker:
                 continue
             self._last_renewal = time.monotonic()
             kept = {r.run_id: r for r in renewed}
-            lost = [live for (run_id, _), live in
-                    zip(leases, [self.live.get(r) for r, _ in leases], strict=True)
-                    if live is not None and run_id not in kept]
+            lost = [
+                live
+                for (run_id, _), live in zip(
+                    leases, [self.live.get(r) for r, _ in leases], strict=True
+                )
+                if live is not None and run_id not in kept
+            ]
             self._lose(lost)
             for renewal in renewed:
                 live = self.live.get(renewal.run_id)
@@ -416,8 +438,9 @@ class Worker:
     def _lose(self, lost: Iterable[_Live]) -> None:
         for live in list(lost):
             if live.stop_reason is None:
-                log.warning("lease_lost", run_id=str(live.claimed.run_id),
-                            attempt=live.claimed.attempt)
+                log.warning(
+                    "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
+                )
                 self._stop_run(live, "lease_lost")
 
 

@@ -1,0 +1,27 @@
+.DEFAULT_GOAL := help
+V ?= v
+
+help: ## List the tasks
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+install: ## Create the virtualenv and install the project with its test extra
+	python3 -m venv $(V) && $(V)/bin/pip install -e '.[test]'
+
+lint: ## ruff (lint and format check) and mypy
+	$(V)/bin/ruff check . && $(V)/bin/mypy
+
+test: ## Run the test suite (starts its own Postgres)
+	$(V)/bin/pytest
+
+check: lint test ## Everything CI runs
+
+demo: ## Run the demo on the embedded Postgres
+	$(V)/bin/worker demo
+
+bench: ## Throughput and latency against bare procrastinate
+	$(V)/bin/python -m bench.throughput
+
+schema: ## Regenerate sql/schema.sql from the migrations
+	$(V)/bin/python scripts/dump_schema.py
+
+.PHONY: help install lint test check demo bench schema
