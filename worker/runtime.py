@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 import structlog
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import admission, lanes, migrations, runs
 from queues.errors import FenceError, WorkerError
@@ -49,9 +49,53 @@ class Settings:
     adopt: tuple[str, ...] = ()  # extra releases whose lanes this worker also consumes
     ready_file: Path | None = None
     grace_s: float = 20.0
+    max_outage_s: float = 60.0  # exit non-zero when the database is gone for this long
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     )
+
+
+class DatabaseLost(Exception):
+    """The database stayed unreachable past ``max_outage_s``: exit so a supervisor restarts."""
+
+
+TRANSIENT = (psycopg.OperationalError, PoolTimeout)
+
+
+class _Outage:
+    """How long the database has been failing, for one loop; backs off between tries."""
+
+    def __init__(self, name: str, limit_s: float) -> None:
+        self.name = name
+        self.limit_s = limit_s
+        self.since: float | None = None
+        self.delay = 0.1
+
+    def ok(self) -> None:
+        if self.since is not None:
+            log.info(
+                "database_reconnected",
+                loop=self.name,
+                outage_s=round(time.monotonic() - self.since, 2),
+            )
+        self.since = None
+        self.delay = 0.1
+
+    async def failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        down = now - self.since
+        log.warning(
+            "database_unavailable",
+            loop=self.name,
+            error=str(exc).strip()[:300],
+            down_s=round(down, 2),
+        )
+        if down > self.limit_s:
+            raise DatabaseLost(f"database unreachable for {down:.0f}s ({self.name})") from exc
+        await asyncio.sleep(self.delay)
+        self.delay = min(self.delay * 2, 2.0)
 
 
 @dataclass
@@ -125,12 +169,11 @@ class Worker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
-        listener = await self._listen()
         tasks = [
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._finish_loop(), name="finish"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._notify_loop(listener), name="listen"),
+            asyncio.create_task(self._notify_loop(), name="listen"),
         ]
         if self.s.ready_file is not None:
             self.s.ready_file.write_text(
@@ -155,7 +198,6 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await listener.close()
         assert self.pool is not None
         with contextlib.suppress(psycopg.Error):
             async with self.pool.connection() as conn:
@@ -202,12 +244,26 @@ class Worker:
         await conn.execute("LISTEN wq_control")
         return conn
 
-    async def _notify_loop(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        async for note in conn.notifies():
-            if note.channel == "wq_control":
-                self._control(note.payload)
-            else:
-                self.wake.set()
+    async def _notify_loop(self) -> None:
+        """LISTEN for the lanes' jobs and for control messages; reconnect when cut off."""
+        outage = _Outage("listen", self.s.max_outage_s)
+        while True:
+            try:
+                conn = await self._listen()
+            except TRANSIENT as exc:
+                await outage.failed(exc)
+                continue
+            outage.ok()
+            self.wake.set()  # anything inserted while we were not listening
+            try:
+                async with conn:
+                    async for note in conn.notifies():
+                        if note.channel == "wq_control":
+                            self._control(note.payload)
+                        else:
+                            self.wake.set()
+            except TRANSIENT as exc:
+                await outage.failed(exc)
 
     def _control(self, payload: str) -> None:
         try:
@@ -227,6 +283,7 @@ class Worker:
     async def _claim_loop(self) -> None:
         assert self.pool is not None and self.s.concurrency is not None
         plays = sorted(self.s.registry.names())
+        outage = _Outage("claim", self.s.max_outage_s)
         while not self.stopping.is_set():
             free = self.s.concurrency - len(self.live)
             if free <= 0:
@@ -234,15 +291,20 @@ class Worker:
                 await self.capacity.wait()
                 continue
             self.wake.clear()
-            async with self.pool.connection() as conn:
-                claimed = await runs.claim(
-                    conn,
-                    lanes=self.lane_names,
-                    worker_id=self.s.worker_id,
-                    limit=min(free, CLAIM_BATCH_MAX),
-                    plays=plays,
-                    procrastinate_worker=self.procrastinate_id,
-                )
+            try:
+                async with self.pool.connection() as conn:
+                    claimed = await runs.claim(
+                        conn,
+                        lanes=self.lane_names,
+                        worker_id=self.s.worker_id,
+                        limit=min(free, CLAIM_BATCH_MAX),
+                        plays=plays,
+                        procrastinate_worker=self.procrastinate_id,
+                    )
+            except TRANSIENT as exc:
+                await outage.failed(exc)
+                continue
+            outage.ok()
             got = 0
             for c in claimed:
                 if c.claimed:
@@ -379,21 +441,31 @@ class Worker:
             await self._flush()
 
     async def _flush(self) -> None:
+        """Write every pending final outcome in one fenced statement; retry while the
+        database is away (a replay of an applied write is refused by the fence, harmlessly).
+        """
         self._finish_ready.clear()
         batch, self._finishes = self._finishes, []
         if not batch:
             return
         assert self.pool is not None
-        try:
-            async with self.pool.connection() as conn:
-                applied = await runs.finish(
-                    conn, worker_id=self.s.worker_id, finishes=[f for f, _ in batch]
-                )
-        except Exception as exc:
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
-            raise
+        outage = _Outage("finish", self.s.max_outage_s)
+        while True:
+            try:
+                async with self.pool.connection() as conn:
+                    applied = await runs.finish(
+                        conn, worker_id=self.s.worker_id, finishes=[f for f, _ in batch]
+                    )
+                break
+            except TRANSIENT as exc:
+                try:
+                    await outage.failed(exc)
+                except DatabaseLost as lost:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(lost)
+                    raise
+        outage.ok()
         for final, future in batch:
             if not future.done():
                 future.set_result((final.run_id, final.attempt) in applied)
@@ -413,7 +485,7 @@ class Worker:
                 async with self.pool.connection(timeout=period) as conn:
                     renewed = await runs.heartbeat(conn, worker_id=self.s.worker_id, leases=leases)
                     await runs.worker_heartbeat(conn, self.s.worker_id)
-            except (psycopg.Error, TimeoutError) as exc:
+            except (*TRANSIENT, TimeoutError) as exc:
                 silent = time.monotonic() - self._last_renewal
                 log.warning("heartbeat_failed", error=repr(exc), silent_s=round(silent, 1))
                 if silent > ttl:
@@ -457,6 +529,6 @@ async def serve(settings: Settings) -> int:
         return await Worker(settings).run()
     except WorkerError:
         raise
-    except psycopg.OperationalError as exc:
+    except (*TRANSIENT, DatabaseLost) as exc:
         log.error("worker_database_lost", error=str(exc))
         return 1

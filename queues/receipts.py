@@ -1,0 +1,661 @@
+"""Work receipts: durable steps that run at most once to completion per scope.
+
+``ctx.step(name, fn)`` in the runtime is built from these functions:
+
+1. ``key = step_key(name, seen)`` gives the step its ordinal key (``fetch``, ``fetch#2``).
+2. ``claim(...)`` takes the step's receipt for this (run, attempt) and says what to do:
+   ``EXECUTE`` (call ``fn``), ``REPLAY`` (use the recorded result), ``SKIPPED``, or ``BUSY``
+   (another run's live claim holds it until ``lease_expires_at``; ask again later).
+3. After ``fn``: ``complete(..., result=...)``, ``fail(..., error=...)`` or ``skip(...)``.
+
+Commit the claim before calling ``fn``: the execution lock is the committed ``claimed`` row
+(owner run and attempt, lease), never a row lock held while ``fn`` runs. Every write is
+fenced twice, by the run (``wq_runs.attempt`` is still ``attempt`` and the run is running)
+and, after the claim, by the receipt's owner, so a stale attempt's write raises
+:class:`~queues.errors.StaleAttempt` and the newer write stands. A claim that another run
+holds is taken over only once its lease lapses, so a long step keeps its claim alive with
+:func:`extend_leases` from the attempt's heartbeat.
+
+Row-level work is batched: :func:`lookup_many` reads a page's paid results in one round
+trip, :func:`complete_many` records a page in one statement.
+
+Lock order and bounds are described at the top of ``sql/queries/receipts.sql``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, TypeAlias
+from uuid import UUID
+
+import psycopg
+from psycopg.rows import class_row
+
+from queues.errors import InvalidField, RunNotFound, StaleAttempt, WorkerError
+from queues.queries import q
+
+JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
+AsyncConn: TypeAlias = psycopg.AsyncConnection[Any]
+
+MAX_NAME = 200  # a step name or a scope name
+MAX_KEY = 256  # a step key: a name plus its ordinal suffix, or a row key for a page
+MAX_PAGE = 1000  # keys per complete_many / lookup_many call; callers chunk larger work
+
+# A NUL escape that is not itself escaped ("\\u0000" is fine, "\u0000" is not): jsonb
+# refuses U+0000, so we refuse it first with a message that names the step.
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+class ReceiptStatus(StrEnum):
+    """Mirrors the Postgres enum ``wq_receipt_status``."""
+
+    CLAIMED = "claimed"  # an attempt is executing the step; owner and lease are set
+    COMPLETED = "completed"  # the result is recorded; later attempts replay it
+    FAILED = "failed"  # the step raised; a later attempt may claim it again
+    SKIPPED = "skipped"  # the play decided not to execute it; replays as skipped
+
+
+class ClaimOutcome(StrEnum):
+    """What the caller of :func:`claim` does next."""
+
+    EXECUTE = "execute"  # this attempt holds the step: run it, then complete/fail/skip
+    REPLAY = "replay"  # completed earlier in this scope: use Claim.result, do not run it
+    SKIPPED = "skipped"  # skipped earlier in this scope: do not run it
+    BUSY = "busy"  # another run holds a live claim until Claim.lease_expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where a receipt's result is shared.
+
+    The default is the run (``run:<run_id>``): only the run's own attempts replay it. A
+    named scope is shared by every run of the same org and play, so a rerun reuses results
+    it already paid for.
+    """
+
+    key: str
+
+    def __post_init__(self) -> None:
+        _check_text("scope", self.key, MAX_NAME + 4, fix="use Scope.of_run or Scope.named")
+
+    @classmethod
+    def of_run(cls, run_id: UUID) -> Scope:
+        return cls(f"run:{run_id}")
+
+    @classmethod
+    def named(cls, name: str) -> Scope:
+        _check_text("scope name", name, MAX_NAME, fix="pass a short, stable name")
+        if name.startswith("run:"):
+            raise InvalidField(
+                f"scope name {name!r} is reserved",
+                field="scope name",
+                rule="must not start with 'run:' (that prefix is the per-run default)",
+                fix=f"drop the prefix, e.g. {name[4:] or 'shared'!r}",
+            )
+        return cls(name)
+
+    def __str__(self) -> str:
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    outcome: ClaimOutcome
+    step_key: str
+    result: JSON = None  # the recorded result, for REPLAY
+    lease_expires_at: datetime | None = None  # our lease (EXECUTE) or the holder's (BUSY)
+    owner_run: UUID | None = None
+    owner_attempt: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PageCompletion:
+    """What :func:`complete_many` did with each key of a page (each list sorted)."""
+
+    completed: list[str]  # newly completed by this call, with the caller's result
+    already: list[str]  # completed or skipped before; the recorded result stands
+    busy: list[str]  # a live claim of another run holds it; nothing recorded
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    org: str
+    play: str
+    scope: str
+    step_key: str
+    status: ReceiptStatus
+    owner_run: UUID | None
+    owner_attempt: int | None
+    lease_expires_at: datetime | None
+    result: JSON
+    error: JSON
+    created_at: datetime
+    completed_at: datetime | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", ReceiptStatus(self.status))
+
+
+# ---- step keys -------------------------------------------------------------------------
+
+
+def step_key(name: str, seen: dict[str, int]) -> str:
+    """The ordinal key of the next step called ``name`` in this attempt (Absurd's rule).
+
+    The first ``fetch`` is ``fetch``, the second ``fetch#2``, then ``fetch#3``. ``seen`` is
+    the attempt's counter (mutated); a new attempt starts from an empty one, so the same
+    code path maps onto the same keys and replays them.
+    """
+    _check_text("step name", name, MAX_NAME, fix="pass a short, stable name such as 'fetch'")
+    if "#" in name:
+        raise InvalidField(
+            f"step name {name!r} contains '#'",
+            field="step name",
+            rule="must not contain '#' (it separates the ordinal suffix, as in 'fetch#2')",
+            fix=f"use another separator, e.g. {name.replace('#', '-')!r}",
+        )
+    n = seen.get(name, 0) + 1
+    seen[name] = n
+    return name if n == 1 else f"{name}#{n}"
+
+
+# ---- claim and finish ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _ClaimRow:
+    fenced: bool
+    run_attempt: int | None
+    run_state: str | None
+    status: str | None
+    result: JSON
+    owner_run: UUID | None
+    owner_attempt: int | None
+    lease_expires_at: datetime | None
+
+
+async def claim(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    run_id: UUID,
+    attempt: int,
+    lease_s: float,
+    now: datetime | None = None,
+) -> Claim:
+    """Claim a step for (run_id, attempt), or learn why not, in one statement.
+
+    Takes a missing, failed, lapsed, or own-run-older-attempt receipt (``EXECUTE``); never
+    a completed (``REPLAY``) or skipped (``SKIPPED``) one, nor another run's live claim
+    (``BUSY``). Raises :class:`StaleAttempt` if the run is no longer at ``attempt`` or not
+    running, :class:`RunNotFound` if there is no such run.
+    """
+    _check_ref(org=org, play=play, step_key=step_key, attempt=attempt)
+    _check_lease(lease_s)
+    params = {
+        "org": org,
+        "play": play,
+        "scope": scope.key,
+        "step_key": step_key,
+        "run_id": run_id,
+        "attempt": attempt,
+        "lease_s": float(lease_s),
+        "now": now,
+    }
+    async with conn.cursor(row_factory=class_row(_ClaimRow)) as cur:
+        await cur.execute(q("receipt_claim"), params)
+        row = await cur.fetchone()
+    assert row is not None  # the statement always returns one row
+    if not row.fenced:
+        raise _refused(
+            verb="claim",
+            run_id=run_id,
+            attempt=attempt,
+            subject=f"step {step_key!r}",
+            run_attempt=row.run_attempt,
+            run_state=row.run_state,
+            reason=None,
+        )
+    if row.status == ReceiptStatus.COMPLETED:
+        outcome, result, lease = ClaimOutcome.REPLAY, row.result, None
+    elif row.status == ReceiptStatus.SKIPPED:
+        outcome, result, lease = ClaimOutcome.SKIPPED, None, None
+    elif row.status == ReceiptStatus.CLAIMED:
+        mine = row.owner_run == run_id and row.owner_attempt == attempt
+        outcome = ClaimOutcome.EXECUTE if mine else ClaimOutcome.BUSY
+        result, lease = None, row.lease_expires_at
+    else:
+        # A fenced claim reads a settled receipt or upserts one: never failed or absent.
+        raise AssertionError(f"receipt_claim returned status {row.status!r} for {step_key!r}")
+    return Claim(
+        outcome,
+        step_key,
+        result=result,
+        lease_expires_at=lease,
+        owner_run=row.owner_run,
+        owner_attempt=row.owner_attempt,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _FinishRow:
+    written: bool
+    run_attempt: int | None
+    run_state: str | None
+    status: str | None
+    owner_run: UUID | None
+    owner_attempt: int | None
+
+
+async def complete(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    run_id: UUID,
+    attempt: int,
+    result: JSON,
+    now: datetime | None = None,
+) -> JSON:
+    """Record the result of a step this attempt holds; fenced.
+
+    Returns the result as later attempts will replay it (decoded from the stored JSON, so
+    tuples come back as lists), so the first execution and a replay see the same value.
+    """
+    dumped = _dump(result, what=f"the result of step {step_key!r}", field="result")
+    await _finish(
+        conn,
+        ReceiptStatus.COMPLETED,
+        org=org,
+        play=play,
+        scope=scope,
+        step_key=step_key,
+        run_id=run_id,
+        attempt=attempt,
+        result=dumped,
+        error=None,
+        now=now,
+    )
+    return _load(dumped)
+
+
+async def fail(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    run_id: UUID,
+    attempt: int,
+    error: Mapping[str, JSON],
+    now: datetime | None = None,
+) -> None:
+    """Record that a step this attempt holds raised; a later claim may take it again."""
+    dumped = _dump(error, what=f"the error of step {step_key!r}", field="error")
+    await _finish(
+        conn,
+        ReceiptStatus.FAILED,
+        org=org,
+        play=play,
+        scope=scope,
+        step_key=step_key,
+        run_id=run_id,
+        attempt=attempt,
+        result=None,
+        error=dumped,
+        now=now,
+    )
+
+
+async def skip(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    run_id: UUID,
+    attempt: int,
+    now: datetime | None = None,
+) -> None:
+    """Record that the play chose not to execute a step it holds; it replays as skipped."""
+    await _finish(
+        conn,
+        ReceiptStatus.SKIPPED,
+        org=org,
+        play=play,
+        scope=scope,
+        step_key=step_key,
+        run_id=run_id,
+        attempt=attempt,
+        result=None,
+        error=None,
+        now=now,
+    )
+
+
+async def _finish(
+    conn: AsyncConn,
+    status: ReceiptStatus,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    run_id: UUID,
+    attempt: int,
+    result: str | None,
+    error: str | None,
+    now: datetime | None,
+) -> None:
+    _check_ref(org=org, play=play, step_key=step_key, attempt=attempt)
+    params = {
+        "status": status.value,
+        "org": org,
+        "play": play,
+        "scope": scope.key,
+        "step_key": step_key,
+        "run_id": run_id,
+        "attempt": attempt,
+        "result": result,
+        "error": error,
+        "now": now,
+    }
+    async with conn.cursor(row_factory=class_row(_FinishRow)) as cur:
+        await cur.execute(q("receipt_finish"), params)
+        row = await cur.fetchone()
+    assert row is not None  # the statement always returns one row
+    if row.written:
+        return
+    if row.status is None:
+        reason = "it holds no receipt for the step (claim it first)"
+    else:
+        reason = f"the receipt is {row.status} by run {row.owner_run} attempt {row.owner_attempt}"
+    verb = {"completed": "complete", "failed": "fail", "skipped": "skip"}[status.value]
+    raise _refused(
+        verb=verb,
+        run_id=run_id,
+        attempt=attempt,
+        subject=f"step {step_key!r}",
+        run_attempt=row.run_attempt,
+        run_state=row.run_state,
+        reason=reason,
+    )
+
+
+# ---- pages -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PageRow:
+    fenced: bool
+    run_attempt: int | None
+    run_state: str | None
+    completed: list[str]
+    already: list[str]
+    busy: list[str]
+
+
+async def complete_many(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    run_id: UUID,
+    attempt: int,
+    results: Sequence[tuple[str, JSON]],
+    now: datetime | None = None,
+) -> PageCompletion:
+    """Claim-and-complete a page of steps (row-level work) in one statement; fenced.
+
+    Keys that are already completed or skipped keep their recorded result; a key another
+    run holds with a live claim is left alone (``busy``). Everything else (missing, failed,
+    lapsed, or held by this run) is completed with the caller's result. A page holds at
+    most :data:`MAX_PAGE` keys, each once.
+    """
+    _check_ref(org=org, play=play, step_key=None, attempt=attempt)
+    keys = [key for key, _ in results]
+    _check_page(keys)
+    if not keys:
+        return PageCompletion(completed=[], already=[], busy=[])
+    dumped = [
+        _dump(value, what=f"the result of step {key!r}", field="results") for key, value in results
+    ]
+    params = {
+        "org": org,
+        "play": play,
+        "scope": scope.key,
+        "run_id": run_id,
+        "attempt": attempt,
+        "keys": keys,
+        "results": dumped,
+        "now": now,
+    }
+    async with conn.cursor(row_factory=class_row(_PageRow)) as cur:
+        await cur.execute(q("receipt_complete_many"), params)
+        row = await cur.fetchone()
+    assert row is not None  # the statement always returns one row
+    if not row.fenced:
+        raise _refused(
+            verb="complete",
+            run_id=run_id,
+            attempt=attempt,
+            subject=f"a page of {len(keys)} steps (first {keys[0]!r})",
+            run_attempt=row.run_attempt,
+            run_state=row.run_state,
+            reason=None,
+        )
+    return PageCompletion(completed=row.completed, already=row.already, busy=row.busy)
+
+
+async def lookup_many(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    keys: Sequence[str],
+) -> dict[str, JSON]:
+    """The recorded results of the completed steps among ``keys``, in one round trip.
+
+    A resumed attempt calls this for a page and only works on the keys it does not return.
+    """
+    _check_ref(org=org, play=play, step_key=None, attempt=None)
+    keys = list(keys)
+    _check_page(keys)
+    if not keys:
+        return {}
+    params = {"org": org, "play": play, "scope": scope.key, "keys": keys}
+    async with conn.cursor() as cur:
+        await cur.execute(q("receipt_lookup_many"), params)
+        rows = await cur.fetchall()
+    return {key: result for key, result in rows}
+
+
+@dataclass(frozen=True, slots=True)
+class _ExtendRow:
+    fenced: bool
+    extended: int
+    run_attempt: int | None
+    run_state: str | None
+
+
+async def extend_leases(
+    conn: AsyncConn,
+    *,
+    run_id: UUID,
+    attempt: int,
+    lease_s: float,
+    now: datetime | None = None,
+) -> int:
+    """Extend the lease of every step this attempt holds (call it from the heartbeat).
+
+    Returns how many claims were extended. Raises :class:`StaleAttempt` when the attempt
+    no longer owns its run.
+    """
+    _check_ref(org=None, play=None, step_key=None, attempt=attempt)
+    _check_lease(lease_s)
+    params = {"run_id": run_id, "attempt": attempt, "lease_s": float(lease_s), "now": now}
+    async with conn.cursor(row_factory=class_row(_ExtendRow)) as cur:
+        await cur.execute(q("receipt_extend_leases"), params)
+        row = await cur.fetchone()
+    assert row is not None  # the statement always returns one row
+    if not row.fenced:
+        raise _refused(
+            verb="extend the leases of",
+            run_id=run_id,
+            attempt=attempt,
+            subject="its claimed steps",
+            run_attempt=row.run_attempt,
+            run_state=row.run_state,
+            reason=None,
+        )
+    return row.extended
+
+
+async def get(
+    conn: AsyncConn, *, org: str, play: str, scope: Scope, step_key: str
+) -> Receipt | None:
+    """One receipt by its scoped key, or None."""
+    params = {"org": org, "play": play, "scope": scope.key, "step_key": step_key}
+    async with conn.cursor(row_factory=class_row(Receipt)) as cur:
+        await cur.execute(q("receipt_get"), params)
+        return await cur.fetchone()
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def _check_text(field: str, value: object, max_len: int, *, fix: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidField(f"{field} is {value!r}", field=field, rule="a non-empty string", fix=fix)
+    if len(value) > max_len:
+        raise InvalidField(
+            f"{field} {value[:40]!r}... is {len(value)} characters long",
+            field=field,
+            rule=f"at most {max_len} characters",
+            fix=fix,
+        )
+
+
+def _check_ref(
+    *, org: str | None, play: str | None, step_key: str | None, attempt: int | None
+) -> None:
+    if org is not None:
+        _check_text("org", org, MAX_NAME, fix="pass the run's org")
+    if play is not None:
+        _check_text("play", play, MAX_NAME, fix="pass the run's play name")
+    if step_key is not None:
+        _check_text("step key", step_key, MAX_KEY, fix="build it with step_key(name, seen)")
+    if attempt is not None and (
+        isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1
+    ):
+        raise InvalidField(
+            f"attempt is {attempt!r}",
+            field="attempt",
+            rule="an integer >= 1",
+            fix="pass the attempt number the run was claimed with",
+        )
+
+
+def _check_lease(lease_s: float) -> None:
+    ok = isinstance(lease_s, int | float) and not isinstance(lease_s, bool)
+    if not (ok and math.isfinite(lease_s) and lease_s > 0):
+        raise InvalidField(
+            f"lease_s is {lease_s!r}",
+            field="lease_s",
+            rule="a finite number of seconds > 0",
+            fix="pass the lane's lease TTL (lease_ttl_s)",
+        )
+
+
+def _check_page(keys: list[str]) -> None:
+    if len(keys) > MAX_PAGE:
+        raise InvalidField(
+            f"a page of {len(keys)} keys is too large",
+            field="keys",
+            rule=f"at most {MAX_PAGE} keys per call (bounds locks and WAL per statement)",
+            fix=f"split the work into pages of {MAX_PAGE}",
+        )
+    seen: set[str] = set()
+    for key in keys:
+        _check_text("step key", key, MAX_KEY, fix="use the row's stable key")
+        if key in seen:
+            raise InvalidField(
+                f"step key {key!r} appears twice in one page",
+                field="keys",
+                rule="each key at most once per page",
+                fix="deduplicate the page, keeping one result per key",
+            )
+        seen.add(key)
+
+
+def _dump(value: object, *, what: str, field: str) -> str:
+    try:
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidField(
+            f"{what} is not JSON-serialisable: {exc}",
+            field=field,
+            rule="JSON values only (dict, list, str, int, finite float, bool, None)",
+            fix="return plain data, e.g. convert objects with a to_dict() or str()",
+        ) from exc
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidField(
+            f"{what} contains a lone surrogate ({exc.reason})",
+            field=field,
+            rule="strings must be valid Unicode",
+            fix="decode bytes with errors='replace' before returning them",
+        ) from exc
+    if _NUL_ESCAPE.search(text):
+        raise InvalidField(
+            f"{what} contains a NUL character",
+            field=field,
+            rule="Postgres jsonb cannot store U+0000",
+            fix="strip or replace NUL characters",
+        )
+    return text
+
+
+def _load(text: str) -> JSON:
+    loaded: JSON = json.loads(text)
+    return loaded
+
+
+def _refused(
+    *,
+    verb: str,
+    run_id: UUID,
+    attempt: int,
+    subject: str,
+    run_attempt: int | None,
+    run_state: str | None,
+    reason: str | None,
+) -> WorkerError:
+    """The error for a fenced write: it names the run, the attempt and the step."""
+    head = f"run {run_id} attempt {attempt} cannot {verb} {subject}"
+    if run_attempt is None:
+        return RunNotFound(f"{head}: the run does not exist", fix="check the run id")
+    if run_attempt != attempt or run_state != "running":
+        reason = f"the run is now at attempt {run_attempt} ({run_state})"
+    elif reason is None:
+        reason = "a newer attempt took the run while this write waited"
+    return StaleAttempt(
+        f"{head}: {reason}",
+        fix="stop this attempt; the write of the attempt that owns the step stands",
+    )

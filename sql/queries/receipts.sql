@@ -1,0 +1,248 @@
+-- Work receipts (wq_receipts): claim, finish, batch-complete and look up durable steps.
+--
+-- Lock order, in every statement here (and in any other code that locks both tables):
+--   1. the wq_runs row of the writing run, FOR SHARE (the fence);
+--   2. then wq_receipts rows, in primary-key order (org, play, scope, step_key).
+-- An attempt bump or a lease rescue is an UPDATE of the wq_runs row, which conflicts with
+-- FOR SHARE: it waits for a receipt write in flight, and a receipt write that queues behind
+-- it re-checks `attempt` against the new row version and is refused. So a stale attempt's
+-- write either commits before the bump or is refused; it never lands after it. Steps of one
+-- attempt take FOR SHARE together and do not block each other. A receipt row is only locked
+-- once a fence row is in hand (the writes draw their rows FROM fence), so no statement
+-- here holds a receipt while waiting for a run.
+--
+-- completed and skipped are terminal: nothing here changes such a row again, so a plain
+-- snapshot read of them is final and replays take no row lock and write nothing.
+--
+-- Every statement is bounded: one receipt, the receipts one attempt holds, or one page of
+-- at most queues.receipts.MAX_PAGE keys. That bounds the locks, the WAL and the time one
+-- transaction holds the fence, so a heartbeat on the run never waits long behind a page.
+
+-- name: receipt_claim :one
+-- Claim a step for (run, attempt) or report replay/skip/busy; fenced by the run's attempt.
+WITH run AS (
+    SELECT id, attempt, state
+    FROM wq_runs
+    WHERE id = %(run_id)s
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
+fence AS (
+    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+),
+settled AS (
+    SELECT status, result, owner_run, owner_attempt, lease_expires_at
+    FROM wq_receipts
+    WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s AND step_key = %(step_key)s
+      AND status IN ('completed', 'skipped')
+),
+claimed AS (
+    INSERT INTO wq_receipts AS r
+        (org, play, scope, step_key, status, owner_run, owner_attempt, lease_expires_at)
+    SELECT %(org)s, %(play)s, %(scope)s, %(step_key)s, 'claimed', fence.id, %(attempt)s,
+           coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s)
+    FROM fence
+    WHERE NOT EXISTS (SELECT 1 FROM settled)
+    -- The conflict arm always updates, so RETURNING reports the newest row even when it is
+    -- not ours to take: a conditional DO UPDATE returns nothing then, and a SELECT in this
+    -- statement cannot see a row another transaction committed after our snapshot (the
+    -- case where we waited on its insert or its claim). A row we may not take keeps every
+    -- value. We may take: a failed step; a claim whose lease lapsed; a claim of an earlier
+    -- (or this) attempt of our own run. Never a live claim of another run.
+    ON CONFLICT (org, play, scope, step_key) DO UPDATE SET
+        (status, owner_run, owner_attempt, lease_expires_at, error) = (
+            SELECT pick.status, pick.owner_run, pick.owner_attempt, pick.lease_expires_at,
+                   pick.error
+            FROM (VALUES
+                (true, EXCLUDED.status, EXCLUDED.owner_run, EXCLUDED.owner_attempt,
+                 EXCLUDED.lease_expires_at, NULL::jsonb),
+                (false, r.status, r.owner_run, r.owner_attempt, r.lease_expires_at, r.error)
+            ) AS pick (take, status, owner_run, owner_attempt, lease_expires_at, error)
+            WHERE pick.take = coalesce(
+                r.status = 'failed'
+                OR (r.status = 'claimed'
+                    AND (r.lease_expires_at <= coalesce(%(now)s::timestamptz, now())
+                         OR (r.owner_run = EXCLUDED.owner_run
+                             AND r.owner_attempt <= EXCLUDED.owner_attempt))),
+                false  -- a NULL here would match no pick and null every column
+            )
+        )
+    RETURNING r.status, r.result, r.owner_run, r.owner_attempt, r.lease_expires_at
+),
+receipt AS (
+    SELECT status, result, owner_run, owner_attempt, lease_expires_at FROM claimed
+    UNION ALL
+    SELECT status, result, owner_run, owner_attempt, lease_expires_at FROM settled
+)
+SELECT
+    EXISTS (SELECT 1 FROM fence) AS fenced,
+    run.attempt AS run_attempt,
+    run.state::text AS run_state,
+    receipt.status::text AS status,
+    receipt.result,
+    receipt.owner_run,
+    receipt.owner_attempt,
+    receipt.lease_expires_at
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN receipt ON true
+LEFT JOIN run ON true
+
+-- name: receipt_finish :one
+-- Record the outcome of a step this attempt holds (completed, failed, skipped); fenced.
+WITH run AS (
+    SELECT id, attempt, state
+    FROM wq_runs
+    WHERE id = %(run_id)s
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
+fence AS (
+    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+),
+finished AS (
+    UPDATE wq_receipts AS r
+    SET status = %(status)s::wq_receipt_status,
+        result = %(result)s::jsonb,
+        error = %(error)s::jsonb,
+        lease_expires_at = NULL,
+        completed_at = CASE WHEN %(status)s::wq_receipt_status = 'failed' THEN NULL
+                            ELSE coalesce(%(now)s::timestamptz, now()) END
+    FROM fence
+    WHERE r.org = %(org)s AND r.play = %(play)s AND r.scope = %(scope)s
+      AND r.step_key = %(step_key)s
+      AND r.status = 'claimed' AND r.owner_run = fence.id AND r.owner_attempt = %(attempt)s
+    RETURNING r.step_key
+)
+SELECT
+    EXISTS (SELECT 1 FROM finished) AS written,
+    run.attempt AS run_attempt,
+    run.state::text AS run_state,
+    cur.status::text AS status,
+    cur.owner_run,
+    cur.owner_attempt
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN run ON true
+LEFT JOIN wq_receipts AS cur
+    ON cur.org = %(org)s AND cur.play = %(play)s AND cur.scope = %(scope)s
+   AND cur.step_key = %(step_key)s
+
+-- name: receipt_complete_many :one
+-- Claim-and-complete a page of step keys in one statement, keeping settled ones; fenced.
+WITH run AS (
+    SELECT id, attempt, state
+    FROM wq_runs
+    WHERE id = %(run_id)s
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
+fence AS (
+    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+),
+page AS (
+    SELECT k.step_key, k.result::jsonb AS result
+    FROM unnest(%(keys)s::text[], %(results)s::text[]) AS k (step_key, result)
+),
+settled AS (
+    SELECT step_key
+    FROM wq_receipts
+    WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
+      AND step_key = ANY (%(keys)s::text[])
+      AND status IN ('completed', 'skipped')
+),
+written AS (
+    INSERT INTO wq_receipts AS r
+        (org, play, scope, step_key, status, owner_run, owner_attempt, result, completed_at)
+    SELECT %(org)s, %(play)s, %(scope)s, page.step_key, 'completed', fence.id, %(attempt)s,
+           page.result, coalesce(%(now)s::timestamptz, now())
+    FROM fence
+    CROSS JOIN page
+    WHERE page.step_key NOT IN (SELECT step_key FROM settled)
+    ORDER BY page.step_key  -- receipts are locked in key order: overlapping pages never deadlock
+    -- Same rule as receipt_claim: always update so RETURNING is exact; a row we may not take
+    -- (a live claim of another run, or one settled after our snapshot) keeps every value.
+    ON CONFLICT (org, play, scope, step_key) DO UPDATE SET
+        (status, owner_run, owner_attempt, lease_expires_at, result, error, completed_at) = (
+            SELECT pick.status, pick.owner_run, pick.owner_attempt, pick.lease_expires_at,
+                   pick.result, pick.error, pick.completed_at
+            FROM (VALUES
+                (true, EXCLUDED.status, EXCLUDED.owner_run, EXCLUDED.owner_attempt,
+                 NULL::timestamptz, EXCLUDED.result, NULL::jsonb, EXCLUDED.completed_at),
+                (false, r.status, r.owner_run, r.owner_attempt, r.lease_expires_at, r.result,
+                 r.error, r.completed_at)
+            ) AS pick (take, status, owner_run, owner_attempt, lease_expires_at, result, error,
+                       completed_at)
+            WHERE pick.take = coalesce(
+                r.status = 'failed'
+                OR (r.status = 'claimed'
+                    AND (r.lease_expires_at <= coalesce(%(now)s::timestamptz, now())
+                         OR (r.owner_run = EXCLUDED.owner_run
+                             AND r.owner_attempt <= EXCLUDED.owner_attempt))),
+                false  -- a NULL here would match no pick and null every column
+            )
+        )
+    RETURNING r.step_key, r.status,
+              (r.status = 'completed' AND r.owner_run = %(run_id)s
+               AND r.owner_attempt = %(attempt)s) AS mine
+)
+SELECT
+    EXISTS (SELECT 1 FROM fence) AS fenced,
+    run.attempt AS run_attempt,
+    run.state::text AS run_state,
+    ARRAY(SELECT step_key FROM written WHERE mine ORDER BY step_key) AS completed,
+    ARRAY(
+        SELECT step_key FROM settled
+        UNION ALL
+        SELECT step_key FROM written WHERE NOT mine AND status <> 'claimed'
+        ORDER BY 1
+    ) AS already,
+    ARRAY(SELECT step_key FROM written WHERE status = 'claimed' ORDER BY step_key) AS busy
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN run ON true
+
+-- name: receipt_lookup_many :many
+-- The recorded results of the completed steps among a page of keys (no locks).
+SELECT step_key, result
+FROM wq_receipts
+WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
+  AND step_key = ANY (%(keys)s::text[])
+  AND status = 'completed'
+
+-- name: receipt_extend_leases :one
+-- Extend the lease of every step one attempt holds (heartbeat); fenced by the run's attempt.
+WITH run AS (
+    SELECT id, attempt, state
+    FROM wq_runs
+    WHERE id = %(run_id)s
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
+fence AS (
+    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+),
+held AS (
+    SELECT r.org, r.play, r.scope, r.step_key
+    FROM wq_receipts AS r
+    JOIN fence ON r.owner_run = fence.id
+    WHERE r.owner_attempt = %(attempt)s AND r.status = 'claimed'
+    ORDER BY r.org, r.play, r.scope, r.step_key
+    FOR UPDATE OF r
+),
+extended AS (
+    UPDATE wq_receipts AS r
+    SET lease_expires_at = coalesce(%(now)s::timestamptz, now())
+                           + make_interval(secs => %(lease_s)s)
+    FROM held
+    WHERE (r.org, r.play, r.scope, r.step_key) = (held.org, held.play, held.scope, held.step_key)
+      AND r.status = 'claimed' AND r.owner_attempt = %(attempt)s
+    RETURNING r.step_key
+)
+SELECT
+    EXISTS (SELECT 1 FROM fence) AS fenced,
+    (SELECT count(*) FROM extended) AS extended,
+    run.attempt AS run_attempt,
+    run.state::text AS run_state
+FROM (VALUES (1)) AS one (x)
+LEFT JOIN run ON true
+
+-- name: receipt_get :one
+-- One receipt by its scoped key, for inspection.
+SELECT org, play, scope, step_key, status, owner_run, owner_attempt, lease_expires_at,
+       result, error, created_at, completed_at
+FROM wq_receipts
+WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s AND step_key = %(step_key)s
