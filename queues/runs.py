@@ -406,20 +406,21 @@ async def emitted_payload(conn: psycopg.AsyncConnection[Any], name: str) -> tupl
 
 async def suspend_for_event(
     conn: psycopg.AsyncConnection[Any], *, worker_id: str, finish_: Finish, event: str
-) -> tuple[bool, Any]:
+) -> tuple[bool, bool]:
     """Suspend a run on an event unless it was emitted meanwhile; no lost wake-up.
 
     Takes the event's advisory lock (the same one ``emit`` takes), then, in a new
     statement that sees every committed emit, either finds the event (returns
-    ``(True, payload)`` and writes nothing) or commits the suspension.
+    ``(True, False)``, nothing written) or writes the suspension, fenced: ``(False,
+    applied)``.
     """
     async with conn.transaction():
         await conn.execute(q("event_lock"), {"name": event})
-        found, payload = await emitted_payload(conn, event)
+        found, _payload = await emitted_payload(conn, event)
         if found:
-            return True, payload
-        await finish(conn, worker_id=worker_id, finishes=[finish_])
-    return False, None
+            return True, False
+        applied = await finish(conn, worker_id=worker_id, finishes=[finish_])
+    return False, (finish_.run_id, finish_.attempt) in applied
 
 
 async def register_worker(

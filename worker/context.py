@@ -8,6 +8,7 @@ that into a ``superseded`` attempt with no final write.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -15,11 +16,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
 from queues import receipts, runs, sheets
-from worker.plays import CleanupFn
+from worker.plays import CleanupFn, Fatal
 
 STEP_LEASE_S = 60.0
 
@@ -36,8 +38,11 @@ class Suspend(BaseException):
         self.event = event
 
 
-class EventTimeout(TimeoutError):
-    """``wait_for_event`` reached its timeout before the event was emitted."""
+class EventTimeout(Fatal, TimeoutError):
+    """``wait_for_event`` reached its timeout before the event was emitted.
+
+    Not retried when uncaught: the deadline is durable, so a retry would time out again.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,10 @@ class RunContext:
     @property
     def attempt(self) -> int:
         return self.info.attempt
+
+    def connection(self) -> contextlib.AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]:
+        """A pooled connection for the play's own queries (autocommit)."""
+        return self._pool.connection()
 
     def on_cancel(self, hook: CleanupFn) -> None:
         """Register a cleanup coroutine run before the final ``cancelled`` write."""

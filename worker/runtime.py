@@ -50,6 +50,7 @@ class Settings:
     ready_file: Path | None = None
     grace_s: float = 20.0
     max_outage_s: float = 60.0  # exit non-zero when the database is gone for this long
+    install_signals: bool = True  # False when embedded in another program (tests, demo)
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     )
@@ -166,7 +167,7 @@ class Worker:
 
     async def _serve(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if self.s.install_signals else ():
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         tasks = [
@@ -332,6 +333,7 @@ class Worker:
         assert c.attempt is not None
         play = self.s.registry.get(c.play or "")
         final: runs.Finish | None
+        written: bool | None = None  # set when the final write was made in-line
         try:
             assert play is not None  # the claim only takes plays this worker has
             result = await play.fn(ctx, ctx.params)
@@ -343,7 +345,7 @@ class Worker:
                 c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
             )
             if suspend.event is not None:
-                final = await self._suspend_for_event(c, ctx, final, suspend.event)
+                final, written = await self._suspend_for_event(c, final, suspend.event)
         except FenceError as exc:
             log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
             final = None
@@ -361,7 +363,9 @@ class Worker:
                 retryable=not isinstance(exc, Fatal | WorkerError),
             )
         applied = True
-        if final is not None:
+        if written is not None:
+            applied = written
+        elif final is not None:
             applied = await self._submit_finish(final)
         outcome = final.outcome if final is not None else runs.Outcome.SUPERSEDED
         if not applied:
@@ -416,18 +420,19 @@ class Worker:
         return runs.handed_back(c.run_id, c.attempt)
 
     async def _suspend_for_event(
-        self, c: runs.Claimed, ctx: RunContext, final: runs.Finish, event: str
-    ) -> runs.Finish | None:
-        assert self.pool is not None
+        self, c: runs.Claimed, final: runs.Finish, event: str
+    ) -> tuple[runs.Finish, bool | None]:
+        """Suspend on an event under its lock; returns the final write and whether it was
+        already made (None: not yet, the caller submits it)."""
+        assert self.pool is not None and c.attempt is not None
         async with self.pool.connection() as conn:
-            found, _ = await runs.suspend_for_event(
+            emitted, applied = await runs.suspend_for_event(
                 conn, worker_id=self.s.worker_id, finish_=final, event=event
             )
-        if found:
+        if emitted:
             # Emitted meanwhile: hand the run straight back so it re-enters and reads it.
-            assert c.attempt is not None
-            return runs.handed_back(c.run_id, c.attempt)
-        return None  # already written (fenced) inside suspend_for_event
+            return runs.handed_back(c.run_id, c.attempt), None
+        return final, applied
 
     async def _submit_finish(self, final: runs.Finish) -> bool:
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()

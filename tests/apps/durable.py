@@ -1,0 +1,108 @@
+"""Plays for the durable-execution tests (steps, sleep, events, crash and resume).
+
+Side effects are counted in ``test_side_effects`` (created by :func:`ensure_tables`), so a
+test can prove a completed step never ran again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from queues import sheets
+from worker.context import RunContext
+from worker.plays import Registry
+
+registry = Registry()
+
+SIDE_EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS test_side_effects (
+    run_id  uuid NOT NULL,
+    key     text NOT NULL,
+    attempt integer NOT NULL,
+    at      timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+
+
+async def side_effect(ctx: RunContext, key: str) -> None:
+    async with ctx.connection() as conn:
+        await conn.execute(
+            "INSERT INTO test_side_effects (run_id, key, attempt) VALUES (%s, %s, %s)",
+            (ctx.run_id, key, ctx.attempt),
+        )
+
+
+@registry.play("sleeper")
+async def sleeper(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """A step, a durable sleep, another step."""
+
+    async def before() -> str:
+        await side_effect(ctx, "before")
+        return "b"
+
+    async def after() -> str:
+        await side_effect(ctx, "after")
+        return "a"
+
+    first = await ctx.step("before", before)
+    await ctx.sleep(float(params.get("seconds", 0.5)))
+    second = await ctx.step("after", after)
+    return {"first": first, "second": second, "attempt": ctx.attempt}
+
+
+@registry.play("waiter")
+async def waiter(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Waits for an event, then records one side effect."""
+    payload = await ctx.wait_for_event(str(params["event"]), timeout=params.get("timeout"))
+
+    async def woke() -> None:
+        await side_effect(ctx, "woke")
+
+    await ctx.step("woke", woke)
+    return {"payload": payload}
+
+
+@registry.play("paid-rows")
+async def paid_rows(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Admit input rows page by page; one paid side effect per row, recorded as a step.
+
+    Per page: already paid rows come back from receipts; each new row's side effect is
+    recorded before its receipt (so a crash between the two re-runs only in-flight rows).
+    """
+    sheet = ctx.sheet(str(params.get("sheet", f"s-{ctx.run_id}")))
+    delay = float(params.get("page_delay_s", 0))
+    stats = {"paid": 0, "replayed": 0, "terminal": 0}
+    async for page in ctx.input_pages():
+        admission = await sheet.admit(page)
+        open_keys = {
+            r.key
+            for r in admission.rows
+            if r.disposition
+            in (
+                sheets.Disposition.ADMITTED,
+                sheets.Disposition.READMITTED,
+                sheets.Disposition.ALREADY_CURRENT,
+            )
+        }
+        stats["terminal"] += len(page) - len(open_keys)
+        keys = [f"row:{key}" for key, _ in page if key in open_keys]
+        paid = await ctx.steps_done(keys)
+        fresh = [k for k in keys if k not in paid]
+        if fresh:
+            async with ctx.connection() as conn:
+                await conn.execute(
+                    "INSERT INTO test_side_effects (run_id, key, attempt) "
+                    "SELECT %s, k, %s FROM unnest(%s::text[]) AS k",
+                    (ctx.run_id, ctx.attempt, fresh),
+                )
+            await ctx.complete_steps([(k, {"v": k}) for k in fresh])
+        stats["paid"] += len(fresh)
+        stats["replayed"] += len(keys) - len(fresh)
+        if keys:
+            await sheet.complete(
+                [sheets.RowCompletion(key=k.removeprefix("row:"), output={"v": k}) for k in keys]
+            )
+        if delay:
+            await asyncio.sleep(delay)
+    return stats | {"write_version": sheet.write_version, "attempt": ctx.attempt}

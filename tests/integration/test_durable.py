@@ -1,0 +1,127 @@
+"""Durable sleep and events through a real worker: suspension leaves the worker, the run
+is re-spawned when due or emitted, completed steps replay, and no wake-up is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+
+from queues import runs
+from tests.apps.durable import SIDE_EFFECTS_DDL, registry
+from tests.workers import eventually, fetch, run_state, running_worker, submit
+
+
+@pytest.fixture
+async def url(db_url: str) -> str:
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        await conn.execute(SIDE_EFFECTS_DDL)
+    return db_url
+
+
+async def side_effects(url: str, run_id: uuid.UUID) -> dict[str, int]:
+    rows = await fetch(
+        url, "SELECT key, count(*) FROM test_side_effects WHERE run_id = %s GROUP BY key", (run_id,)
+    )
+    return {str(k): int(n) for k, n in rows}
+
+
+async def terminal(url: str, run_id: uuid.UUID) -> str | None:
+    state = await run_state(url, run_id)
+    return state if state in {"succeeded", "failed", "cancelled"} else None
+
+
+async def kinds(url: str, run_id: uuid.UUID) -> list[str]:
+    rows = await fetch(url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY id", (run_id,))
+    return [str(k) for (k,) in rows]
+
+
+async def test_sleep_leaves_the_worker_and_resumes_after_its_due_time(url: str) -> None:
+    async with running_worker(url, registry):
+        run_id = await submit(url, "sleeper", {"seconds": 0.6})
+        await eventually(lambda: _is(url, run_id, "sleeping"))
+        assert await terminal(url, run_id) is None
+        assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
+    ((slept_at, woke_at),) = await fetch(
+        url,
+        "SELECT (SELECT at FROM wq_events WHERE run_id = %(r)s AND kind = 'run_sleeping'),"
+        "       (SELECT max(at) FROM wq_events WHERE run_id = %(r)s AND kind = 'attempt_started')",
+        {"r": run_id},
+    )
+    assert (woke_at - slept_at).total_seconds() >= 0.5
+    # The step before the sleep ran once; the second attempt replayed it from its receipt.
+    assert await side_effects(url, run_id) == {"before": 1, "after": 1}
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+        attempts = await runs.attempts(conn, run_id)
+    assert run.result == {"first": "b", "second": "a", "attempt": 2}
+    assert [a.outcome for a in attempts] == ["suspended", "succeeded"]
+
+
+async def _is(url: str, run_id: uuid.UUID, state: str) -> bool:
+    return await run_state(url, run_id) == state
+
+
+async def test_emit_before_wait_wakes_exactly_once_without_sleeping(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        first = await runs.emit(conn, "early", {"n": 1})
+        again = await runs.emit(conn, "early", {"n": 2})
+    assert first.first and not again.first  # first emit wins
+    async with running_worker(url, registry):
+        run_id = await submit(url, "waiter", {"event": "early"})
+        assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
+    assert await side_effects(url, run_id) == {"woke": 1}
+    assert "run_waiting" not in await kinds(url, run_id)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        assert (await runs.get(conn, run_id)).result == {"payload": {"n": 1}}
+
+
+async def test_wait_before_emit_wakes_exactly_once(url: str) -> None:
+    async with running_worker(url, registry):
+        run_id = await submit(url, "waiter", {"event": "late"})
+        await eventually(lambda: _is(url, run_id, "sleeping"))
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            emitted = await runs.emit(conn, "late", {"ok": True})
+            again = await runs.emit(conn, "late", {"ok": False})
+        assert emitted.woken == 1 and again.woken == 0
+        assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
+    assert await side_effects(url, run_id) == {"woke": 1}
+    log = await kinds(url, run_id)
+    assert log.count("event_received") == 1 and log.count("run_waiting") == 1
+
+
+async def test_emit_racing_wait_never_loses_a_wake_up(url: str) -> None:
+    """Each round submits a waiter and emits its event at the same moment: all finish."""
+    run_ids: list[uuid.UUID] = []
+    async with running_worker(url, registry, concurrency=16):
+
+        async def round_(i: int) -> None:
+            name = f"race-{i}"
+            run_id = await submit(url, "waiter", {"event": name})
+            run_ids.append(run_id)
+            await asyncio.sleep(0.01 * (i % 5))
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+                await runs.emit(conn, name, {"i": i})
+
+        await asyncio.gather(*(round_(i) for i in range(20)))
+
+        async def all_done() -> bool:
+            states = [await terminal(url, r) for r in run_ids]
+            return all(s == "succeeded" for s in states)
+
+        await eventually(all_done, timeout=30)
+    for run_id in run_ids:
+        assert await side_effects(url, run_id) == {"woke": 1}
+
+
+async def test_wait_times_out_durably(url: str) -> None:
+    async with running_worker(url, registry):
+        run_id = await submit(url, "waiter", {"event": "never", "timeout": 0.3})
+        assert await eventually(lambda: terminal(url, run_id)) in {"failed", "succeeded"}
+        state = await run_state(url, run_id)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+    assert state == "failed" or run.error is not None
+    assert run.error is not None and run.error["type"] == "EventTimeout"

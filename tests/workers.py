@@ -1,0 +1,92 @@
+"""Helpers for tests that run a worker in-process or poll the database."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import psycopg
+
+from queues import admission, lanes
+from worker.plays import Registry
+from worker.runtime import Settings, Worker
+
+T = TypeVar("T")
+
+
+@contextlib.asynccontextmanager
+async def running_worker(
+    url: str, registry: Registry, *, release: str = "t", concurrency: int = 8, grace_s: float = 2.0
+) -> AsyncIterator[Worker]:
+    """A worker consuming ``release``'s lane in this event loop until the block ends."""
+    worker = Worker(
+        Settings(
+            url=url,
+            release=release,
+            registry=registry,
+            concurrency=concurrency,
+            grace_s=grace_s,
+            install_signals=False,
+        )
+    )
+    serving = asyncio.create_task(worker.run())
+    ready = asyncio.create_task(worker.ready.wait())
+    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():
+        ready.cancel()
+        raise RuntimeError(f"worker exited before ready: {serving.result()!r}")
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        await asyncio.wait_for(serving, timeout=grace_s + 30)
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]], *, timeout: float = 15.0, interval: float = 0.05
+) -> T:
+    """Poll ``probe`` until it returns a truthy value; fail with the last value at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = await probe()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last value: {last!r})")
+
+
+async def submit(
+    url: str,
+    play: str,
+    params: dict[str, Any] | None = None,
+    *,
+    release: str = "t",
+    inputs: list[tuple[str, Any]] | None = None,
+) -> uuid.UUID:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await lanes.prepare(conn, release)
+        admitted = await admission.submit(
+            conn,
+            admission.Submission(play=play, params=params or {}, release=release),
+            inputs=inputs,
+        )
+    return admitted.run_id
+
+
+async def run_state(url: str, run_id: uuid.UUID) -> str:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute("SELECT state::text FROM wq_runs WHERE id = %s", (run_id,))
+        row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+async def fetch(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        cur = await conn.execute(query, params)  # type: ignore[arg-type]
+        return await cur.fetchall()
