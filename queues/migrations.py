@@ -14,6 +14,7 @@ every applied file. ``migrate`` records it; every other process only reads it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
@@ -206,7 +207,9 @@ async def migrate(conn: psycopg.AsyncConnection[Any]) -> MigrateReport:
             {"v": contract.version, "c": contract.checksum},
         )
     finally:
-        await conn.execute("SELECT pg_advisory_unlock(%(key)s)", {"key": MIGRATION_LOCK_KEY})
+        # A dead connection already released the lock; do not hide the original error.
+        with contextlib.suppress(psycopg.OperationalError):
+            await conn.execute("SELECT pg_advisory_unlock(%(key)s)", {"key": MIGRATION_LOCK_KEY})
     return MigrateReport(applied=applied_now, contract=contract)
 
 

@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Literal, LiteralString, cast
 
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
-_POSITIONAL = re.compile(r"(?<!%)%s")
+_POSITIONAL = re.compile(r"(?<!%)(?:%%)*%s")
 
 
 @dataclass(frozen=True, slots=True)

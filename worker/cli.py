@@ -53,7 +53,6 @@ def emit_json(data: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--database-url",
-    envvar="WORKER_DATABASE_URL",
     help="Postgres URL (default: $DATABASE_URL, else the embedded database).",
 )
 @click.option(

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -62,24 +63,29 @@ def configured_url(env: Mapping[str, str] | None = None) -> str | None:
     return None
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def validate_url(url: str, *, source: str = "DATABASE_URL") -> str:
-    """Refuse a malformed URL before anything connects with it."""
-    try:
-        conninfo_to_dict(url)
-    except psycopg.ProgrammingError as exc:
+    """Refuse a malformed URL before anything connects with it (never echoing secrets)."""
+    scheme = _SCHEME.match(url)
+    if scheme and scheme.group(1).lower() not in {"postgresql", "postgres"}:
         raise DatabaseUrlInvalid(
-            f"the database URL in {source} is malformed: {str(exc).strip()}",
-            field=source,
-            rule="a libpq URL or conninfo, e.g. postgresql://user@host:5432/dbname",
-            fix=f"correct {source}, or unset it to use the embedded database",
-        ) from exc
-    if "://" in url and not url.startswith(("postgresql://", "postgres://")):
-        raise DatabaseUrlInvalid(
-            f"the database URL in {source} has scheme {url.split('://', 1)[0]!r}",
+            f"the database URL in {source} has scheme {scheme.group(1)!r}",
             field=source,
             rule="the scheme must be postgresql:// or postgres://",
             fix=f"correct {source}",
         )
+    try:
+        conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        # libpq's message quotes the input, password included: never echo it.
+        raise DatabaseUrlInvalid(
+            f"the database URL in {source} is not a valid URL or conninfo string",
+            field=source,
+            rule="a libpq URL or conninfo, e.g. postgresql://user@host:5432/dbname",
+            fix=f"correct {source}, or unset it to use the embedded database",
+        ) from exc
     return url
 
 

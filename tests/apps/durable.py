@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 from queues import sheets
-from worker.context import RunContext
+from worker.context import RunContext, Sheet
 from worker.plays import Registry
 
 registry = Registry()
@@ -65,44 +65,52 @@ async def waiter(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
 
 @registry.play("paid-rows")
 async def paid_rows(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
-    """Admit input rows page by page; one paid side effect per row, recorded as a step.
+    """Admit input rows in chunks; one paid side effect per row, recorded as a step.
 
-    Per page: already paid rows come back from receipts; each new row's side effect is
+    Per chunk: already paid rows come back from receipts; each new row's side effect is
     recorded before its receipt (so a crash between the two re-runs only in-flight rows).
     """
     sheet = ctx.sheet(str(params.get("sheet", f"s-{ctx.run_id}")))
-    delay = float(params.get("page_delay_s", 0))
+    delay = float(params.get("chunk_delay_s", 0))
+    chunk = int(params.get("chunk", 1000))
     stats = {"paid": 0, "replayed": 0, "terminal": 0}
     async for page in ctx.input_pages():
-        admission = await sheet.admit(page)
-        open_keys = {
-            r.key
-            for r in admission.rows
-            if r.disposition
-            in (
-                sheets.Disposition.ADMITTED,
-                sheets.Disposition.READMITTED,
-                sheets.Disposition.ALREADY_CURRENT,
-            )
-        }
-        stats["terminal"] += len(page) - len(open_keys)
-        keys = [f"row:{key}" for key, _ in page if key in open_keys]
-        paid = await ctx.steps_done(keys)
-        fresh = [k for k in keys if k not in paid]
-        if fresh:
-            async with ctx.connection() as conn:
-                await conn.execute(
-                    "INSERT INTO test_side_effects (run_id, key, attempt) "
-                    "SELECT %s, k, %s FROM unnest(%s::text[]) AS k",
-                    (ctx.run_id, ctx.attempt, fresh),
-                )
-            await ctx.complete_steps([(k, {"v": k}) for k in fresh])
-        stats["paid"] += len(fresh)
-        stats["replayed"] += len(keys) - len(fresh)
-        if keys:
-            await sheet.complete(
-                [sheets.RowCompletion(key=k.removeprefix("row:"), output={"v": k}) for k in keys]
-            )
-        if delay:
-            await asyncio.sleep(delay)
+        for start in range(0, len(page), chunk):
+            await _paid_chunk(ctx, sheet, page[start : start + chunk], stats)
+            if delay:
+                await asyncio.sleep(delay)
     return stats | {"write_version": sheet.write_version, "attempt": ctx.attempt}
+
+
+async def _paid_chunk(
+    ctx: RunContext, sheet: Sheet, rows: list[tuple[str, Any]], stats: dict[str, int]
+) -> None:
+    admission = await sheet.admit(rows)
+    open_keys = {
+        r.key
+        for r in admission.rows
+        if r.disposition
+        in (
+            sheets.Disposition.ADMITTED,
+            sheets.Disposition.READMITTED,
+            sheets.Disposition.ALREADY_CURRENT,
+        )
+    }
+    stats["terminal"] += len(rows) - len(open_keys)
+    keys = [f"row:{key}" for key, _ in rows if key in open_keys]
+    paid = await ctx.steps_done(keys)
+    fresh = [k for k in keys if k not in paid]
+    if fresh:
+        async with ctx.connection() as conn:
+            await conn.execute(
+                "INSERT INTO test_side_effects (run_id, key, attempt) "
+                "SELECT %s, k, %s FROM unnest(%s::text[]) AS k",
+                (ctx.run_id, ctx.attempt, fresh),
+            )
+        await ctx.complete_steps([(k, {"v": k}) for k in fresh])
+    stats["paid"] += len(fresh)
+    stats["replayed"] += len(keys) - len(fresh)
+    if keys:
+        await sheet.complete(
+            [sheets.RowCompletion(key=k.removeprefix("row:"), output={"v": k}) for k in keys]
+        )

@@ -1,0 +1,406 @@
+"""Recovery: the maintenance pass that rescues lapsed leases and orphaned runs.
+
+``run_once`` is one pass; a loop in ``worker/recovery.py`` (and a procrastinate periodic
+task) owns the when. Each part is its own short transaction over a bounded batch, and
+every pick takes its runs ``FOR UPDATE SKIP LOCKED``, so several hosts can run passes at
+once and each rescue happens once (the lock order is drawn in ``sql/queries/recovery.sql``):
+
+1. **expired leases**: a ``running`` run whose lease lapsed has its attempt closed as
+   ``lease_expired`` (a failed attempt), then is retried on a new job per its lane's
+   :class:`~queues.lanes.RetryPolicy`, or failed (``LEASE_EXPIRED``) when its attempts are
+   spent, or cancelled when cancellation was requested. The attempt number is not bumped:
+   the run leaves ``running``, which refuses the dead attempt's heartbeats and writes, and
+   the next claim bumps it.
+2. **orphans**: a ``queued`` run, a due sleeper or a woken waiter with no live job (lost,
+   aborted, failed transport, cancelled by a lane reclaim) gets a new job.
+3. **retention**: terminal runs and finished run jobs past their lane's retention go.
+4. **stranded**: lanes with unfinished runs and no live worker are reported, not touched.
+
+Before any job is spawned, the run's *original* lane is re-prepared when it was reclaimed
+(``lanes.prepare``: registry rows only, so this works on an admission-only host too) and
+held ``FOR SHARE`` until commit, so a reclaim cannot slip in between. A draining lane is
+left draining: its workers still consume it, and re-preparing it would undo the drain.
+
+``adopt`` is the operator's explicit move of a lane's unfinished runs to a newer release;
+recovery never does it on its own.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import class_row
+
+from queues import lanes
+from queues.errors import InvalidField, LaneReclaimed, did_you_mean
+from queues.lanes import LaneState, RetryPolicy
+from queues.queries import q
+
+DEFAULT_BATCH = 100
+# A lane is reported stranded once a run waited this long with no live worker for it:
+# a lane whose worker is still starting (a deploy in progress) is not stranded yet.
+DEFAULT_STRANDED_AFTER_S = 60.0
+SPAWNABLE = frozenset({LaneState.PREPARED.value, LaneState.DRAINING.value})
+
+
+@dataclass(frozen=True, slots=True)
+class _Expired:
+    run_id: uuid.UUID
+    attempt: int
+    lane: str
+    release: str
+    lease_owner: str | None
+    lease_expires_at: datetime
+    cancel_requested: bool
+    lane_state: str
+    retry_max_attempts: int
+    retry_base_s: float
+    retry_cap_s: float
+    retry_jitter: float
+
+    @property
+    def policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            max_attempts=self.retry_max_attempts,
+            base_s=self.retry_base_s,
+            cap_s=self.retry_cap_s,
+            jitter=self.retry_jitter,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Orphan:
+    run_id: uuid.UUID
+    lane: str
+    release: str
+    state: str
+    lane_state: str
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Rescued:
+    """A run whose lease lapsed: its next state is queued (retry), failed or cancelled."""
+
+    run_id: uuid.UUID
+    attempt: int  # the attempt that lapsed
+    lane: str
+    state: str
+    job_id: int | None  # the retry's job; None when failed, cancelled or left to pass 2
+    retry_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Respawned:
+    """A waiting run that had no live job and got a new one."""
+
+    run_id: uuid.UUID
+    lane: str
+    reason: str  # orphan | due_sleeper | woken_waiter
+    old_job_status: str  # none | missing | failed | cancelled | aborted | succeeded
+    job_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StrandedLane:
+    """Unfinished runs on a lane that no live worker serves."""
+
+    lane: str
+    release: str
+    lane_state: str
+    runs: int
+    runnable: int  # queued or due: would run at once if a worker served the lane
+    oldest_wait_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    expired: tuple[Rescued, ...] = ()
+    respawned: tuple[Respawned, ...] = ()
+    cancelled: tuple[uuid.UUID, ...] = ()  # orphans whose cancellation was requested
+    reprepared: tuple[str, ...] = ()  # reclaimed lanes prepared again to spawn on
+    deleted_runs: int = 0
+    deleted_jobs: int = 0
+    stranded: tuple[StrandedLane, ...] = ()
+    saturated: bool = False  # some part filled its batch: more work is waiting
+
+    def _count(self, state: str) -> int:
+        return sum(1 for r in self.expired if r.state == state)
+
+    def counts(self) -> dict[str, int]:
+        """Flat counts, for one log line per pass."""
+        reasons = [r.reason for r in self.respawned]
+        return {
+            "lease_expired": len(self.expired),
+            "retried": self._count("queued"),
+            "failed": self._count("failed"),
+            "cancelled": self._count("cancelled") + len(self.cancelled),
+            "respawned": len(self.respawned),
+            "orphans": reasons.count("orphan"),
+            "due_sleepers": reasons.count("due_sleeper"),
+            "woken_waiters": reasons.count("woken_waiter"),
+            "lanes_reprepared": len(self.reprepared),
+            "deleted_runs": self.deleted_runs,
+            "deleted_jobs": self.deleted_jobs,
+            "stranded_lanes": len(self.stranded),
+            "stranded_runs": sum(s.runs for s in self.stranded),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "counts": self.counts(),
+            "saturated": self.saturated,
+            "expired": [asdict(r) for r in self.expired],
+            "respawned": [asdict(r) for r in self.respawned],
+            "cancelled": [str(r) for r in self.cancelled],
+            "reprepared": list(self.reprepared),
+            "stranded": [asdict(s) for s in self.stranded],
+        }
+
+
+async def run_once(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    now: datetime | None = None,
+    batch: int = DEFAULT_BATCH,
+    stranded_after_s: float = DEFAULT_STRANDED_AFTER_S,
+    rng: random.Random | None = None,
+) -> RecoveryReport:
+    """One recovery pass; ``now`` (default: the database clock) lets tests control time."""
+    if batch < 1:
+        raise InvalidField(
+            f"batch {batch} is too small", field="batch", rule="at least 1", fix="pass 100"
+        )
+    expired, reprepared_a = await rescue_expired(conn, now=now, batch=batch, rng=rng)
+    respawned, cancelled, reprepared_b, orphans_seen = await respawn_orphans(
+        conn, now=now, batch=batch
+    )
+    deleted_runs, deleted_jobs = await apply_retention(conn, now=now, batch=batch)
+    stranded = await find_stranded(conn, now=now, after_s=stranded_after_s)
+    return RecoveryReport(
+        expired=tuple(expired),
+        respawned=tuple(respawned),
+        cancelled=tuple(cancelled),
+        reprepared=tuple(sorted({*reprepared_a, *reprepared_b})),
+        deleted_runs=deleted_runs,
+        deleted_jobs=deleted_jobs,
+        stranded=tuple(stranded),
+        saturated=max(len(expired), orphans_seen, deleted_runs, deleted_jobs) >= batch,
+    )
+
+
+async def _spawnable_lanes(
+    conn: psycopg.AsyncConnection[Any], wanted: dict[str, tuple[str, str]]
+) -> tuple[set[str], list[str]]:
+    """Make the lanes a batch will spawn on ready, and hold them until commit.
+
+    ``wanted`` maps lane -> (release, state seen by the pick). One lock per lane, in name
+    order (never a share lock upgraded later, which two passes could deadlock on): a
+    reclaimed lane is re-prepared, which holds its row exclusively; any other is held FOR
+    SHARE and re-read. A lane reclaimed after the pick read it is not spawned on in this
+    pass; its runs stay orphans and the next pass re-prepares it.
+    """
+    spawnable: set[str] = set()
+    reprepared: list[str] = []
+    for name, (release, seen) in sorted(wanted.items()):
+        if seen not in SPAWNABLE:
+            try:
+                lane = await lanes.prepare(conn, release)
+            except InvalidField:
+                continue  # a release name this code no longer accepts: report, never spawn
+            if lane.name == name:
+                spawnable.add(name)
+                reprepared.append(name)
+            continue
+        cur = await conn.execute(q("recovery_lane_share"), {"name": name})
+        row = await cur.fetchone()
+        if row is not None and row[1] in SPAWNABLE:
+            spawnable.add(name)
+    return spawnable, reprepared
+
+
+async def rescue_expired(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    now: datetime | None = None,
+    batch: int = DEFAULT_BATCH,
+    rng: random.Random | None = None,
+) -> tuple[list[Rescued], list[str]]:
+    """Part 1: close lapsed attempts and retry, fail or cancel their runs (one batch)."""
+    async with conn.transaction():
+        async with conn.cursor(row_factory=class_row(_Expired)) as cur:
+            await cur.execute(q("recovery_expired_pick"), {"now": now, "batch": batch})
+            picked = await cur.fetchall()
+        if not picked:
+            return [], []
+        states: list[str] = []
+        delays: list[float] = []
+        for row in picked:
+            if row.cancel_requested:
+                states.append("cancelled")
+            elif row.policy.exhausted(row.attempt):
+                states.append("failed")
+            else:
+                states.append("queued")
+            delays.append(row.policy.delay(row.attempt, rng=rng) if states[-1] == "queued" else 0.0)
+        wanted = {
+            row.lane: (row.release, row.lane_state)
+            for row, state in zip(picked, states, strict=True)
+            if state == "queued"
+        }
+        spawnable, reprepared = await _spawnable_lanes(conn, wanted)
+        async with conn.cursor(row_factory=class_row(Rescued)) as cur:
+            await cur.execute(
+                q("recovery_expired_apply"),
+                {
+                    "now": now,
+                    "run_ids": [row.run_id for row in picked],
+                    "attempts": [row.attempt for row in picked],
+                    "states": states,
+                    "spawn": [
+                        state == "queued" and row.lane in spawnable
+                        for row, state in zip(picked, states, strict=True)
+                    ],
+                    "delays": delays,
+                },
+            )
+            rescued = await cur.fetchall()
+    return rescued, reprepared
+
+
+async def respawn_orphans(
+    conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None, batch: int = DEFAULT_BATCH
+) -> tuple[list[Respawned], list[uuid.UUID], list[str], int]:
+    """Part 2: give waiting runs with no live job a new one (one batch).
+
+    Returns (respawned, cancelled, lanes re-prepared, runs picked).
+    """
+    async with conn.transaction():
+        async with conn.cursor(row_factory=class_row(_Orphan)) as cur:
+            await cur.execute(q("recovery_orphans_pick"), {"now": now, "batch": batch})
+            picked = await cur.fetchall()
+        if not picked:
+            return [], [], [], 0
+        to_cancel = [row.run_id for row in picked if row.cancel_requested]
+        cancelled: list[uuid.UUID] = []
+        if to_cancel:
+            cur2 = await conn.execute(
+                q("recovery_cancel_orphans"), {"now": now, "run_ids": to_cancel}
+            )
+            cancelled = [row[0] for row in await cur2.fetchall()]
+        live = [row for row in picked if not row.cancel_requested]
+        spawnable, reprepared = await _spawnable_lanes(
+            conn, {row.lane: (row.release, row.lane_state) for row in live}
+        )
+        respawned: list[Respawned] = []
+        ids = [row.run_id for row in live if row.lane in spawnable]
+        if ids:
+            async with conn.cursor(row_factory=class_row(Respawned)) as cur:
+                await cur.execute(q("recovery_respawn_apply"), {"now": now, "run_ids": ids})
+                respawned = await cur.fetchall()
+    return respawned, cancelled, reprepared, len(picked)
+
+
+async def apply_retention(
+    conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None, batch: int = DEFAULT_BATCH
+) -> tuple[int, int]:
+    """Part 3: delete one batch of expired terminal runs, then one of finished run jobs."""
+    async with conn.transaction():
+        cur = await conn.execute(q("recovery_retention_runs"), {"now": now, "batch": batch})
+        runs_deleted = len(await cur.fetchall())
+    async with conn.transaction():
+        cur = await conn.execute(q("recovery_retention_jobs"), {"now": now, "batch": batch})
+        jobs_deleted = len(await cur.fetchall())
+    return runs_deleted, jobs_deleted
+
+
+async def find_stranded(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    now: datetime | None = None,
+    after_s: float = DEFAULT_STRANDED_AFTER_S,
+    limit: int = 100,
+) -> list[StrandedLane]:
+    """Part 4 (read only): lanes with unfinished runs that no live worker serves."""
+    async with conn.cursor(row_factory=class_row(StrandedLane)) as cur:
+        await cur.execute(
+            q("recovery_stranded"), {"now": now, "after_s": after_s, "batch": limit}
+        )
+        return await cur.fetchall()
+
+
+async def adopt(
+    conn: psycopg.AsyncConnection[Any], *, from_release: str, to_release: str
+) -> int:
+    """Move every unfinished run of ``from_release``'s lane to ``to_release``'s lane.
+
+    One transaction: the runs' lane and release change, their waiting (todo) jobs are
+    re-spawned on the new lane at the same scheduled time and the old ones cancelled; a
+    running run keeps its attempt and will retry on the new lane if its lease lapses;
+    orphans are left to the recovery pass, which now spawns them on the new lane. The
+    target lane is prepared when it does not exist yet (lazy preparation, as a local
+    submit does); a draining or reclaimed target is refused. Returns the runs moved.
+    """
+    from_lane = lanes.lane_name(lanes.validate_release(from_release, field="FROM_RELEASE"))
+    to_lane = lanes.lane_name(lanes.validate_release(to_release, field="TO_RELEASE"))
+    if from_lane == to_lane:
+        raise InvalidField(
+            f"cannot adopt lane {from_lane!r} into itself",
+            field="TO_RELEASE",
+            rule="a release other than FROM_RELEASE",
+            fix="pass the newer release whose workers should run these runs",
+        )
+    source = await lanes.get(conn, from_lane)
+    if source is None:
+        known = [s.release for s in await lanes.list_lanes(conn)]
+        near = did_you_mean(from_release, known)
+        raise InvalidField(
+            f"release {from_release!r} has no lane"
+            + (f"; did you mean {near!r}?" if near else ""),
+            field="FROM_RELEASE",
+            rule="a release listed by `worker queues list`",
+            fix="copy the release from `worker queues list`",
+        )
+    target = await lanes.get(conn, to_lane)
+    if target is None:
+        async with conn.transaction():
+            target = await lanes.prepare(conn, to_release)
+    _check_target(target.state, to_release)
+    async with conn.transaction():
+        cur = await conn.execute(q("recovery_adopt_lock"), {"from_lane": from_lane})
+        run_ids = [row[0] for row in await cur.fetchall()]
+        cur = await conn.execute(q("recovery_lane_share"), {"name": to_lane})
+        row = await cur.fetchone()
+        assert row is not None  # the lane row is never deleted
+        _check_target(row[1], to_release)
+        if not run_ids:
+            return 0
+        cur = await conn.execute(
+            q("recovery_adopt_move"),
+            {
+                "run_ids": run_ids,
+                "from_lane": from_lane,
+                "to_lane": to_lane,
+                "to_release": to_release,
+            },
+        )
+        moved = await cur.fetchone()
+    assert moved is not None
+    return int(moved[0])
+
+
+def _check_target(state: str, release: str) -> None:
+    if state == LaneState.RECLAIMED:
+        raise LaneReclaimed(
+            f"lane {lanes.lane_name(release)!r} of release {release!r} was reclaimed: "
+            "nothing was moved",
+            fix=f"adopt into the current release, or `worker queues prepare {release}` first",
+        )
+    if state != LaneState.PREPARED:
+        raise lanes.not_prepared(release, state=state)
+
