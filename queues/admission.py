@@ -205,6 +205,13 @@ async def submit(
         row = await cur.fetchone()
         assert row is not None
         lane_state, inserted_id, job_id = row
+        if lane_state != lanes.LaneState.PREPARED and sub.idempotency_key is not None:
+            # A retried request (a lost response) answers with its run even after the lane
+            # stopped taking new ones.
+            cur = await conn.execute(q("run_by_key"), {"org": sub.org, "key": sub.idempotency_key})
+            earlier = await cur.fetchone()
+            if earlier is not None:
+                return _existing(sub, params, earlier)
         if lane_state is None or lane_state == lanes.LaneState.DRAINING:
             raise lanes.not_prepared(sub.release, state=lane_state)
         if lane_state == lanes.LaneState.RECLAIMED:
@@ -230,6 +237,11 @@ async def submit(
         existing = await cur.fetchone()
     if existing is None:  # pragma: no cover - the conflict row must exist
         raise IdempotencyConflict("idempotency key vanished during admission; retry")
+    return _existing(sub, params, existing)
+
+
+def _existing(sub: Submission, params: Mapping[str, Any], existing: Any) -> Admitted:
+    """The run an idempotency key admitted before, or a conflict if the request differs."""
     existing_id, existing_play, existing_params, _state, existing_lane = existing
     if existing_play != sub.play or existing_params != json.loads(json.dumps(params)):
         differs = f"play {existing_play!r}" if existing_play != sub.play else "other params"

@@ -132,7 +132,8 @@ def release_of(lane: str) -> str:
 
 
 async def prepare(conn: psycopg.AsyncConnection[Any], release: str) -> Lane:
-    """Create or re-prepare the lane of ``release``; idempotent (registry rows only)."""
+    """Create the lane of ``release`` or re-prepare a reclaimed one; idempotent (registry
+    rows only). A draining lane stays draining: a restarting worker must not re-open it."""
     name = lane_name(release)
     async with conn.cursor(row_factory=class_row(Lane)) as cur:
         await cur.execute(q("lane_prepare"), {"name": name, "release": release})
@@ -232,7 +233,10 @@ async def reclaim(
         row = await cur.fetchone()
         if row is None:
             raise not_prepared(release)
-        _, state, unfinished = row
+        _, state = row
+        cur = await conn.execute(q("lane_unfinished"), {"name": name})
+        counted = await cur.fetchone()
+        unfinished = int(counted[0]) if counted else 0
         if unfinished and not force:
             raise LaneBusy(
                 f"lane {name!r} has {unfinished} unfinished run(s); reclaim refused",

@@ -7,8 +7,9 @@ once and each rescue happens once (the lock order is drawn in ``sql/queries/reco
 
 1. **expired leases**: a ``running`` run whose lease lapsed has its attempt closed as
    ``lease_expired`` (a failed attempt), then is retried on a new job per its lane's
-   :class:`~queues.lanes.RetryPolicy`, or failed (``LEASE_EXPIRED``) when its attempts are
-   spent, or cancelled when cancellation was requested. The attempt number is not bumped:
+   :class:`~queues.lanes.RetryPolicy`, or failed (``LEASE_EXPIRED``) once its failed and
+   lapsed attempts spent the budget (a sleep's wake or a hand-back does not count), or
+   cancelled when cancellation was requested. The attempt number is not bumped:
    the run leaves ``running``, which refuses the dead attempt's heartbeats and writes, and
    the next claim bumps it.
 2. **orphans**: a ``queued`` run, a due sleeper or a woken waiter with no live job (lost,
@@ -56,6 +57,7 @@ class _Expired:
     release: str
     lease_owner: str | None
     lease_expires_at: datetime
+    failures: int  # this lapse and the earlier failed or lapsed attempts (the retry budget)
     cancel_requested: bool
     lane_state: str
     retry_max_attempts: int
@@ -243,11 +245,12 @@ async def rescue_expired(
         for row in picked:
             if row.cancel_requested:
                 states.append("cancelled")
-            elif row.policy.exhausted(row.attempt):
+            elif row.policy.exhausted(row.failures):
                 states.append("failed")
             else:
                 states.append("queued")
-            delays.append(row.policy.delay(row.attempt, rng=rng) if states[-1] == "queued" else 0.0)
+            queued = states[-1] == "queued"
+            delays.append(row.policy.delay(row.failures, rng=rng) if queued else 0.0)
         wanted = {
             row.lane: (row.release, row.lane_state)
             for row, state in zip(picked, states, strict=True)
@@ -328,15 +331,11 @@ async def find_stranded(
 ) -> list[StrandedLane]:
     """Part 4 (read only): lanes with unfinished runs that no live worker serves."""
     async with conn.cursor(row_factory=class_row(StrandedLane)) as cur:
-        await cur.execute(
-            q("recovery_stranded"), {"now": now, "after_s": after_s, "batch": limit}
-        )
+        await cur.execute(q("recovery_stranded"), {"now": now, "after_s": after_s, "batch": limit})
         return await cur.fetchall()
 
 
-async def adopt(
-    conn: psycopg.AsyncConnection[Any], *, from_release: str, to_release: str
-) -> int:
+async def adopt(conn: psycopg.AsyncConnection[Any], *, from_release: str, to_release: str) -> int:
     """Move every unfinished run of ``from_release``'s lane to ``to_release``'s lane.
 
     One transaction: the runs' lane and release change, their waiting (todo) jobs are
@@ -360,8 +359,7 @@ async def adopt(
         known = [s.release for s in await lanes.list_lanes(conn)]
         near = did_you_mean(from_release, known)
         raise InvalidField(
-            f"release {from_release!r} has no lane"
-            + (f"; did you mean {near!r}?" if near else ""),
+            f"release {from_release!r} has no lane" + (f"; did you mean {near!r}?" if near else ""),
             field="FROM_RELEASE",
             rule="a release listed by `worker queues list`",
             fix="copy the release from `worker queues list`",
@@ -403,4 +401,3 @@ def _check_target(state: str, release: str) -> None:
         )
     if state != LaneState.PREPARED:
         raise lanes.not_prepared(release, state=state)
-

@@ -69,6 +69,7 @@ class Claimed:
     retry_base_s: float | None
     retry_cap_s: float | None
     retry_jitter: float | None
+    failures: int | None  # failed attempts before this one (sleeps, hand-backs excluded)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -159,11 +160,16 @@ def failed(
     policy: RetryPolicy,
     *,
     now: datetime,
+    failure: int,
     retryable: bool = True,
 ) -> Finish:
-    """A failed attempt: retry per policy (exponential backoff, cap, jitter) or fail."""
-    if retryable and not policy.exhausted(attempt):
-        at = now + timedelta(seconds=policy.delay(attempt))
+    """A failed attempt: retry per policy (exponential backoff, cap, jitter) or fail.
+
+    ``failure`` is this failure's number (1 for the first): sleeps and hand-backs are
+    attempts too, but they do not spend the retry budget.
+    """
+    if retryable and not policy.exhausted(failure):
+        at = now + timedelta(seconds=policy.delay(failure))
         return Finish(
             run_id,
             attempt,

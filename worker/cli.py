@@ -238,7 +238,17 @@ def _read_params(params: str | None, params_file: Path | None) -> dict[str, Any]
         )
     text, source = (params, "--params") if params else (None, "--params-file")
     if params_file is not None:
-        text = params_file.read_text(encoding="utf-8")
+        raw = params_file.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise InvalidField(
+                f"--params-file {params_file.name} is not UTF-8 (line {line})",
+                field="--params-file",
+                rule="a UTF-8 JSON file",
+                fix="re-save the file as UTF-8",
+            ) from exc
     if not text:
         return {}
     try:

@@ -360,6 +360,7 @@ class Worker:
                 error,
                 c.retry,
                 now=datetime.now(UTC),
+                failure=(c.failures or 0) + 1,
                 retryable=not isinstance(exc, Fatal | WorkerError),
             )
         applied = True
@@ -397,6 +398,7 @@ class Worker:
                 {"type": "ResultNotJSON", "message": f"the play's result is not JSON: {exc}"},
                 c.retry,
                 now=datetime.now(UTC),
+                failure=(c.failures or 0) + 1,
                 retryable=False,
             )
         return runs.succeeded(c.run_id, c.attempt, result)

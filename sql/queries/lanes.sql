@@ -4,7 +4,7 @@ INSERT INTO wq_lanes AS l (name, release, state)
 VALUES (%(name)s, %(release)s, 'prepared')
 ON CONFLICT (name) DO UPDATE
    SET state = 'prepared', updated_at = now()
- WHERE l.state <> 'prepared'
+ WHERE l.state = 'reclaimed'
 RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
           retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, retention_s,
           prepared_at, updated_at;
@@ -48,12 +48,15 @@ RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
 
 -- name: lane_lock_for_reclaim :one
 -- Take the lane row exclusively so no admission (which holds it FOR SHARE) can slip in.
-SELECT name, state::text,
-       (SELECT count(*) FROM wq_runs r
-         WHERE r.lane = %(name)s AND r.state IN ('queued', 'running', 'sleeping')) AS unfinished
+SELECT name, state::text
   FROM wq_lanes
  WHERE name = %(name)s
    FOR UPDATE;
+
+-- name: lane_unfinished :one
+-- Unfinished runs of a lane; run as its own statement after the lock, so that its snapshot
+-- sees every admission that committed while the lock was awaited.
+SELECT count(*) FROM wq_runs WHERE lane = %(name)s AND state IN ('queued', 'running', 'sleeping');
 
 -- name: lane_set_state :exec
 -- Move a lane to another state (drain, reclaim).

@@ -40,10 +40,14 @@ SELECT id, play, params, state::text, lane
 -- A delivery whose run is terminal, cancelled, leased or not pointing at this job is
 -- returned as dropped (claimed = false). SKIP LOCKED keeps claimers off each other's rows.
 WITH picked AS (
-    SELECT j.id, (j.args ->> 'run_id')::uuid AS run_id
+    -- Only our task's jobs; a run id that is not a UUID is delivered as NULL and dropped.
+    SELECT j.id,
+           CASE WHEN j.args ->> 'run_id' ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                THEN (j.args ->> 'run_id')::uuid END AS run_id
       FROM procrastinate_jobs j
      WHERE j.status = 'todo'
        AND j.queue_name = ANY (%(lanes)s::text[])
+       AND j.task_name = 'wq.run'
        AND (j.scheduled_at IS NULL OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))
      ORDER BY j.priority DESC, j.id
      LIMIT %(limit)s
@@ -73,7 +77,11 @@ WITH picked AS (
        AND r.play = ANY (%(plays)s::text[])
     RETURNING r.id, r.attempt, r.org, r.play, r.params, r.lane, r.release, r.job_id,
               r.lease_expires_at, r.wake_payload, l.lease_ttl_s, l.heartbeat_s,
-              l.retry_max_attempts, l.retry_base_s, l.retry_cap_s, l.retry_jitter
+              l.retry_max_attempts, l.retry_base_s, l.retry_cap_s, l.retry_jitter,
+              -- Failed attempts so far: sleeps and hand-backs do not spend the retry budget.
+              (SELECT count(*) FROM wq_attempts a
+                WHERE a.run_id = r.id AND a.outcome IN ('failed', 'lease_expired'))::int
+                  AS failures
 ), unknown AS (
     -- A play this release does not have can never run on this lane: fail the run at once
     -- instead of burning attempts on it.
@@ -106,11 +114,11 @@ WITH picked AS (
 )
 SELECT true AS claimed, c.id AS run_id, c.attempt, c.org, c.play, c.params, c.lane,
        c.release, c.job_id, c.lease_expires_at, c.wake_payload, c.lease_ttl_s, c.heartbeat_s,
-       c.retry_max_attempts, c.retry_base_s, c.retry_cap_s, c.retry_jitter
+       c.retry_max_attempts, c.retry_base_s, c.retry_cap_s, c.retry_jitter, c.failures
   FROM claimed c
 UNION ALL
 SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL
   FROM taken t
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 
