@@ -18,7 +18,7 @@ import click
 
 from queues import admission, inputs, lanes, migrations, runs
 from queues.errors import InvalidField, WorkerError
-from worker import config, db, demo_run, embedded, logs, observe, plays, runtime
+from worker import config, db, demo_run, embedded, logs, observe, plays, recovery, runtime
 
 T = TypeVar("T")
 
@@ -638,6 +638,10 @@ def queues_reclaim(state: State, release: str, force: bool) -> None:
 def demo(state: State, rows: int) -> None:
     """Migrate, start a worker, enrich a bundled sample live, summarise, shut down."""
     sys.exit(run(demo_run.run_demo(state.url, rows=rows, echo=click.echo)))
+
+
+cli.add_command(recovery.recover_command)
+queues_group.add_command(recovery.adopt_command)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,6 +31,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import admission, lanes, migrations, runs
 from queues.errors import FenceError, WorkerError
+from worker import recovery
 from worker.context import RunContext, RunInfo, Suspend
 from worker.plays import Fatal, Registry
 
@@ -175,6 +176,7 @@ class Worker:
             asyncio.create_task(self._finish_loop(), name="finish"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._notify_loop(), name="listen"),
+            asyncio.create_task(self._maintenance_loop(), name="maintenance"),
         ]
         if self.s.ready_file is not None:
             self.s.ready_file.write_text(
@@ -265,6 +267,17 @@ class Worker:
                             self.wake.set()
             except TRANSIENT as exc:
                 await outage.failed(exc)
+
+    async def _maintenance_loop(self) -> None:
+        """Serve the recovery pass as procrastinate's periodic task (one per tick however
+        many workers run); restarted after a failure, never fatal to the worker."""
+        while not self.stopping.is_set():
+            try:
+                await recovery.run_periodic_worker(self.s.url, self.stopping)
+            except Exception as exc:  # a maintenance failure must not stop execution
+                log.warning("maintenance_failed", error=repr(exc)[:300])
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), 5.0)
 
     def _control(self, payload: str) -> None:
         try:

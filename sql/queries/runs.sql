@@ -141,7 +141,7 @@ UPDATE wq_runs r
    AND r.state = 'running'
    AND r.lease_owner = %(worker)s
    AND l.name = r.lane
-RETURNING r.id, r.attempt, r.lease_expires_at, r.cancel_requested_at IS NOT NULL AS cancel;
+RETURNING r.id AS run_id, r.attempt, r.lease_expires_at, r.cancel_requested_at IS NOT NULL AS cancel;
 
 -- name: run_finish_batch :many
 -- Write the outcome of finished attempts, fenced: only where the run still carries the

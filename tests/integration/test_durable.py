@@ -125,3 +125,29 @@ async def test_wait_times_out_durably(url: str) -> None:
         run = await runs.get(conn, run_id)
     assert state == "failed" or run.error is not None
     assert run.error is not None and run.error["type"] == "EventTimeout"
+
+
+async def test_heartbeat_keeps_a_long_attempt_leased(url: str) -> None:
+    """An attempt longer than several heartbeats keeps its lease and finishes as attempt 1."""
+    from tests.apps.plays import registry as plays
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        from queues import lanes
+
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", lease_ttl_s=2.0, heartbeat_s=0.5)
+    async with running_worker(url, plays) as worker:
+        run_id = await submit(url, "slow", {"seconds": 3.5})
+        await eventually(lambda: _is(url, run_id, "running"))
+        ((first,),) = await fetch(
+            url, "SELECT lease_expires_at FROM wq_runs WHERE id = %s", (run_id,)
+        )
+        assert await eventually(lambda: terminal(url, run_id), timeout=20) == "succeeded"
+        assert not worker.stopping.is_set()  # no loop crashed
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+        attempts = await runs.attempts(conn, run_id)
+    assert run.result["attempt"] == 1
+    assert [a.outcome for a in attempts] == ["succeeded"]
+    # The lease was renewed past its first expiry while the attempt ran.
+    assert run.finished_at is not None and run.finished_at > first

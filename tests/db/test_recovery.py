@@ -1,0 +1,512 @@
+"""The recovery pass against real Postgres, each test in one rolled-back transaction.
+
+Time is controlled through ``now``: runs are claimed at T0 with the real claim statement
+and the pass runs at T0 + TTL + 1s, so no test sleeps for a lease to lapse.
+Each test checks what the pass wrote, and what it must not have touched.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.types.json import Jsonb
+
+from queues import admission, lanes, recovery, runs
+from queues.errors import InvalidField, LaneReclaimed
+from queues.lanes import RetryPolicy
+from queues.queries import q
+
+Conn = psycopg.AsyncConnection[Any]
+# Near the real clock: procrastinate stamps its job events with the database's now(), and
+# the job retention reads them, so a far-off T0 would make every job look ancient.
+T0 = datetime.now(UTC).replace(microsecond=0)
+TTL = 30.0
+PLAY = "p"
+
+
+async def lane(conn: Conn, release: str = "rec", **policy: Any) -> str:
+    prepared = await lanes.prepare(conn, release)
+    if policy:
+        sets = ", ".join(f"{key} = %({key})s" for key in policy)
+        await conn.execute(
+            f"UPDATE wq_lanes SET {sets} WHERE name = %(name)s",  # test-only, fixed keys
+            {**policy, "name": prepared.name},
+        )
+    return prepared.name
+
+
+async def submit(conn: Conn, release: str = "rec") -> uuid.UUID:
+    admitted = await admission.submit(conn, admission.Submission(play=PLAY, release=release))
+    return admitted.run_id
+
+
+async def claim(
+    conn: Conn, lane_name: str, *, now: datetime = T0, worker: str = "w1"
+) -> list[runs.Claimed]:
+    got = await runs.claim(
+        conn, lanes=[lane_name], worker_id=worker, limit=100, plays=[PLAY], now=now
+    )
+    return [c for c in got if c.claimed]
+
+
+async def one(conn: Conn, sql: str, params: dict[str, Any] | None = None) -> Any:
+    cur = await conn.execute(sql, params or {})
+    row = await cur.fetchone()
+    assert row is not None, sql
+    return row[0] if len(row) == 1 else row
+
+
+async def run_jobs(conn: Conn, run_id: uuid.UUID) -> list[tuple[int, str, str, datetime | None]]:
+    cur = await conn.execute(
+        "SELECT id, status::text, queue_name, scheduled_at FROM procrastinate_jobs"
+        " WHERE args ->> 'run_id' = %(id)s ORDER BY id",
+        {"id": str(run_id)},
+    )
+    return [(r[0], r[1], r[2], r[3]) for r in await cur.fetchall()]
+
+
+async def event_kinds(conn: Conn, run_id: uuid.UUID) -> list[str]:
+    return [e.kind for e in await runs.events(conn, run_id)]
+
+
+async def heartbeat(conn: Conn, run_id: uuid.UUID, attempt: int, *, now: datetime) -> list[Any]:
+    """The worker's lease renewal (the run_heartbeat statement); returns the renewed runs."""
+    cur = await conn.execute(
+        q("run_heartbeat"),
+        {"worker": "w1", "run_ids": [run_id], "attempts": [attempt], "now": now},
+    )
+    return [row[0] for row in await cur.fetchall()]
+
+
+# ---- expired leases ---------------------------------------------------------------------
+
+
+async def test_expired_lease_is_retried_on_a_new_job_per_policy(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL, retry_base_s=10, retry_jitter=0, retry_max_attempts=3)
+    dead, alive = await submit(conn), await submit(conn)
+    await claim(conn, name)
+    # `alive` renews its lease at T0 + 20s; `dead` does not.
+    assert await heartbeat(conn, alive, 1, now=T0 + timedelta(seconds=20)) == [alive]
+    old_job = (await runs.get(conn, dead)).job_id
+    at = T0 + timedelta(seconds=TTL + 1)
+
+    report = await recovery.run_once(conn, now=at)
+
+    assert [(r.run_id, r.attempt, r.state) for r in report.expired] == [(dead, 1, "queued")]
+    retry_at = at + timedelta(seconds=10)  # base * 2^(1-1), no jitter
+    assert report.expired[0].retry_at == retry_at
+    run = await runs.get(conn, dead)
+    assert (run.state, run.attempt, run.lease_owner, run.available_at) == (
+        "queued",
+        1,
+        None,
+        retry_at,
+    )
+    assert run.error["code"] == "LEASE_EXPIRED"
+    assert run.job_id == report.expired[0].job_id != old_job
+    assert await run_jobs(conn, dead) == [
+        (old_job, "failed", name, None),
+        (run.job_id, "todo", name, retry_at),
+    ]
+    assert [(a.attempt, a.outcome) for a in await runs.attempts(conn, dead)] == [
+        (1, "lease_expired")
+    ]
+    assert "lease_expired" in await event_kinds(conn, dead)
+    assert (await runs.get(conn, alive)).state == "running"
+    assert report.respawned == ()  # the retry job is live: no orphan for pass 2
+
+    # The dead attempt is fenced: its heartbeat and its final write are refused.
+    assert await heartbeat(conn, dead, 1, now=at) == []
+    assert (
+        await runs.finish(conn, worker_id="w1", finishes=[runs.succeeded(dead, 1, {"late": True})])
+        == set()
+    )
+    # A second pass at the same time finds nothing more to do.
+    again = await recovery.run_once(conn, now=at)
+    assert again.expired == () and again.respawned == ()
+    # The retry job is due at retry_at, and its claim starts attempt 2.
+    assert await claim(conn, name, now=retry_at - timedelta(seconds=1)) == []
+    [second] = await claim(conn, name, now=retry_at)
+    assert (second.run_id, second.attempt, second.job_id) == (dead, 2, run.job_id)
+
+
+async def test_expired_lease_with_attempts_exhausted_fails_the_run(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL, retry_max_attempts=1)
+    run_id = await submit(conn)
+    await claim(conn, name)
+    at = T0 + timedelta(seconds=TTL + 1)
+
+    report = await recovery.run_once(conn, now=at)
+
+    assert [(r.run_id, r.state, r.job_id) for r in report.expired] == [(run_id, "failed", None)]
+    run = await runs.get(conn, run_id)
+    assert (run.state, run.job_id, run.finished_at) == ("failed", None, at)
+    assert run.error["code"] == "LEASE_EXPIRED"
+    assert [status for _, status, _, _ in await run_jobs(conn, run_id)] == ["failed"]
+    assert [a.outcome for a in await runs.attempts(conn, run_id)] == ["lease_expired"]
+    assert report.counts()["failed"] == 1
+
+
+async def test_only_failed_or_lapsed_attempts_spend_the_retry_budget(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL, retry_base_s=10, retry_jitter=0, retry_max_attempts=2)
+    napper, failer = await submit(conn), await submit(conn)
+    await claim(conn, name)
+    # Attempt 1: `napper` went to sleep (not a failure); `failer` raised (a failure).
+    policy = RetryPolicy(max_attempts=2, base_s=10, jitter=0)
+    applied = await runs.finish(
+        conn,
+        worker_id="w1",
+        finishes=[
+            runs.suspended(napper, 1, wake_at=T0, wait_event=None),
+            runs.failed(
+                failer, 1, {"type": "Boom"}, policy, now=T0 - timedelta(seconds=10), failure=1
+            ),
+        ],
+    )
+    assert applied == {(napper, 1), (failer, 1)}
+    assert {c.run_id for c in await claim(conn, name)} == {napper, failer}  # attempts 2
+    at = T0 + timedelta(seconds=TTL + 1)
+
+    report = await recovery.run_once(conn, now=at)
+
+    outcome = {r.run_id: (r.attempt, r.state, r.retry_at) for r in report.expired}
+    # napper: 1 failure of 2 allowed, retried after base * 2^0; failer: 2 of 2, failed.
+    assert outcome == {
+        napper: (2, "queued", at + timedelta(seconds=10)),
+        failer: (2, "failed", None),
+    }
+
+
+async def test_expired_lease_of_a_cancelled_run_cancels_it(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL)
+    run_id = await submit(conn)
+    await claim(conn, name)
+    await runs.cancel(conn, run_id, reason="operator")  # the attempt died before it heard
+
+    report = await recovery.run_once(conn, now=T0 + timedelta(seconds=TTL + 1))
+
+    assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "cancelled")]
+    assert (await runs.get(conn, run_id)).state == "cancelled"
+
+
+# ---- orphans, sleepers, waiters ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lose", "old_status"),
+    [
+        ("DELETE FROM procrastinate_jobs WHERE id = %(job)s", "missing"),
+        ("UPDATE procrastinate_jobs SET status = 'cancelled' WHERE id = %(job)s", "cancelled"),
+        ("UPDATE wq_runs SET job_id = NULL WHERE id = %(run)s", "none"),
+    ],
+    ids=["deleted", "cancelled", "no-job"],
+)
+async def test_orphan_gets_a_new_todo_job(conn: Conn, lose: str, old_status: str) -> None:
+    name = await lane(conn)
+    run_id = await submit(conn)
+    old_job = (await runs.get(conn, run_id)).job_id
+    await conn.execute(lose, {"job": old_job, "run": run_id})
+
+    report = await recovery.run_once(conn, now=T0)
+
+    [res] = report.respawned
+    assert (res.run_id, res.reason, res.old_job_status) == (run_id, "orphan", old_status)
+    run = await runs.get(conn, run_id)
+    assert (run.state, run.job_id) == ("queued", res.job_id)
+    assert (res.job_id, "todo", name, None) in await run_jobs(conn, run_id)
+    assert await event_kinds(conn, run_id) == ["run_created", "respawned"]
+    # The new job is the run's live job: the claim accepts it.
+    [claimed] = await claim(conn, name)
+    assert (claimed.run_id, claimed.job_id) == (run_id, res.job_id)
+
+
+async def test_healthy_queued_run_is_left_alone(conn: Conn) -> None:
+    await lane(conn)
+    run_id = await submit(conn)
+    report = await recovery.run_once(conn, now=T0)
+    assert report.respawned == () and report.expired == ()
+    assert len(await run_jobs(conn, run_id)) == 1
+
+
+async def test_run_on_a_force_reclaimed_lane_is_reprepared_then_respawned(conn: Conn) -> None:
+    name = await lane(conn, release="old")
+    run_id = await submit(conn, release="old")
+    rep = await lanes.reclaim(conn, "old", force=True)
+    assert (rep.unfinished, rep.jobs_cancelled) == (1, 1)
+    assert (await lanes.get(conn, name)).state == "reclaimed"  # type: ignore[union-attr]
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert report.reprepared == (name,)
+    lane_row = await lanes.get(conn, name)
+    assert lane_row is not None and lane_row.state == "prepared"
+    [res] = report.respawned
+    assert (res.run_id, res.old_job_status) == (run_id, "cancelled")
+    assert (await runs.get(conn, run_id)).job_id == res.job_id
+    assert [s for _, s, _, _ in await run_jobs(conn, run_id)] == ["cancelled", "todo"]
+
+
+async def test_a_draining_lane_is_not_reprepared(conn: Conn) -> None:
+    name = await lane(conn, release="dr")
+    run_id = await submit(conn, release="dr")
+    await lanes.drain(conn, "dr")
+    await conn.execute(
+        "DELETE FROM procrastinate_jobs WHERE args ->> 'run_id' = %(id)s", {"id": str(run_id)}
+    )
+    report = await recovery.run_once(conn, now=T0)
+    assert [r.run_id for r in report.respawned] == [run_id]  # its workers still consume it
+    assert report.reprepared == ()
+    assert (await lanes.get(conn, name)).state == "draining"  # type: ignore[union-attr]
+
+
+async def sleeping(
+    conn: Conn, name: str, *, available_at: datetime | None, wait_event: str | None = None
+) -> uuid.UUID:
+    run_id = uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO wq_runs (id, org, play, release, lane, state, attempt, available_at,"
+        " wait_event) VALUES (%(id)s, 'o', %(play)s, 'rec', %(lane)s, 'sleeping', 1, %(at)s,"
+        " %(event)s)",
+        {"id": run_id, "play": PLAY, "lane": name, "at": available_at, "event": wait_event},
+    )
+    return run_id
+
+
+async def test_missed_sleeper_is_respawned_when_due(conn: Conn) -> None:
+    name = await lane(conn)
+    due = await sleeping(conn, name, available_at=T0 - timedelta(minutes=1))
+    later = await sleeping(conn, name, available_at=T0 + timedelta(hours=1))
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert [(r.run_id, r.reason) for r in report.respawned] == [(due, "due_sleeper")]
+    run = await runs.get(conn, due)
+    assert run.state == "sleeping"
+    assert await run_jobs(conn, due) == [(run.job_id, "todo", name, None)]
+    assert await run_jobs(conn, later) == []
+    [claimed] = await claim(conn, name)
+    assert claimed.run_id == due
+
+
+async def test_woken_waiter_without_a_job_is_respawned(conn: Conn) -> None:
+    name = await lane(conn)
+    woken = await sleeping(conn, name, available_at=None, wait_event="paid")
+    waiting = await sleeping(conn, name, available_at=None, wait_event="never")
+    await conn.execute(
+        "INSERT INTO wq_emitted_events (name, payload) VALUES ('paid', %(p)s)",
+        {"p": Jsonb({"amount": 3})},
+    )  # emitted, but the wake-up's job was lost
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert [(r.run_id, r.reason) for r in report.respawned] == [(woken, "woken_waiter")]
+    row = await one(
+        conn, "SELECT wake_payload, available_at FROM wq_runs WHERE id = %(id)s", {"id": woken}
+    )
+    assert row == ({"amount": 3}, None)
+    assert await run_jobs(conn, waiting) == []
+
+
+async def test_orphan_with_cancel_requested_is_cancelled_not_respawned(conn: Conn) -> None:
+    await lane(conn)
+    run_id = await submit(conn)
+    await conn.execute(
+        "UPDATE wq_runs SET cancel_requested_at = now(), job_id = NULL WHERE id = %(id)s",
+        {"id": run_id},
+    )
+    report = await recovery.run_once(conn, now=T0)
+    assert report.cancelled == (run_id,) and report.respawned == ()
+    assert (await runs.get(conn, run_id)).state == "cancelled"
+
+
+# ---- retention --------------------------------------------------------------------------
+
+
+async def finished_run(
+    conn: Conn, name: str, *, state: str, finished_at: datetime | None
+) -> uuid.UUID:
+    run_id = uuid.uuid4()
+    await conn.execute(
+        "INSERT INTO wq_runs (id, org, play, release, lane, state, finished_at)"
+        " VALUES (%(id)s, 'o', %(play)s, 'rec', %(lane)s, %(state)s, %(at)s)",
+        {"id": run_id, "play": PLAY, "lane": name, "state": state, "at": finished_at},
+    )
+    await conn.execute(
+        "INSERT INTO wq_attempts (run_id, attempt) VALUES (%(id)s, 1)", {"id": run_id}
+    )
+    await conn.execute("INSERT INTO wq_events (run_id, kind) VALUES (%(id)s, 'x')", {"id": run_id})
+    await conn.execute(
+        "INSERT INTO wq_run_inputs (run_id, page, rows) VALUES (%(id)s, 0, '[]')", {"id": run_id}
+    )
+    return run_id
+
+
+async def job_at(conn: Conn, name: str, status: str, at: datetime) -> int:
+    job_id = int(
+        await one(
+            conn,
+            "INSERT INTO procrastinate_jobs (queue_name, task_name, args) VALUES (%(q)s, 'wq.run',"
+            " '{}') RETURNING id",
+            {"q": name},
+        )
+    )
+    if status != "todo":
+        await conn.execute(
+            "UPDATE procrastinate_jobs SET status = %(s)s::procrastinate_job_status"
+            " WHERE id = %(id)s",
+            {"s": status, "id": job_id},
+        )
+    await conn.execute(
+        "UPDATE procrastinate_events SET at = %(at)s WHERE job_id = %(id)s",
+        {"at": at, "id": job_id},
+    )
+    return job_id
+
+
+async def test_retention_deletes_only_old_terminal_runs_and_jobs(conn: Conn) -> None:
+    name = await lane(conn, retention_s=3600)
+    old = await finished_run(conn, name, state="succeeded", finished_at=T0 - timedelta(hours=2))
+    old_failed = await finished_run(conn, name, state="failed", finished_at=T0 - timedelta(hours=3))
+    recent = await finished_run(
+        conn, name, state="succeeded", finished_at=T0 - timedelta(minutes=10)
+    )
+    unfinished = await finished_run(conn, name, state="queued", finished_at=None)
+    old_job = await job_at(conn, name, "succeeded", T0 - timedelta(hours=2))
+    recent_job = await job_at(conn, name, "failed", T0 - timedelta(minutes=10))
+    waiting_job = await job_at(conn, name, "todo", T0 - timedelta(hours=5))
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert (report.deleted_runs, report.deleted_jobs) == (2, 1)
+    cur = await conn.execute(
+        "SELECT id FROM wq_runs WHERE id = ANY (%(ids)s)",
+        {"ids": [old, old_failed, recent, unfinished]},
+    )
+    assert {r[0] for r in await cur.fetchall()} == {recent, unfinished}
+    for table in ("wq_attempts", "wq_events", "wq_run_inputs"):
+        left = await one(
+            conn,
+            f"SELECT count(*) FROM {table} WHERE run_id = ANY (%(ids)s)",
+            {"ids": [old, old_failed]},
+        )
+        assert left == 0, table
+    cur = await conn.execute(
+        "SELECT id FROM procrastinate_jobs WHERE id = ANY (%(ids)s)",
+        {"ids": [old_job, recent_job, waiting_job]},
+    )
+    assert {r[0] for r in await cur.fetchall()} == {recent_job, waiting_job}
+
+
+async def test_retention_is_bounded_by_the_batch(conn: Conn) -> None:
+    name = await lane(conn, retention_s=60)
+    for _ in range(5):
+        await finished_run(conn, name, state="succeeded", finished_at=T0 - timedelta(hours=1))
+    report = await recovery.run_once(conn, now=T0, batch=3)
+    assert report.deleted_runs == 3 and report.saturated
+    assert (await recovery.run_once(conn, now=T0, batch=3)).deleted_runs == 2
+
+
+# ---- stranded ---------------------------------------------------------------------------
+
+
+async def test_stranded_report_lists_lanes_no_live_worker_serves(conn: Conn) -> None:
+    served = await lane(conn, release="live", lease_ttl_s=TTL)
+    stranded = await lane(conn, release="gone", lease_ttl_s=TTL)
+    await submit(conn, release="live")
+    for _ in range(2):
+        await submit(conn, release="gone")
+    await conn.execute("UPDATE wq_runs SET updated_at = %(at)s", {"at": T0 - timedelta(minutes=10)})
+    workers = [
+        ("w-live", [served], T0 - timedelta(seconds=5), None),
+        ("w-stale", [stranded], T0 - timedelta(seconds=TTL + 5), None),  # missed its beats
+        ("w-stopped", [stranded], T0, T0),
+    ]
+    for wid, wlanes, beat, stopped in workers:
+        await conn.execute(
+            "INSERT INTO wq_workers (id, lanes, release, host, pid, heartbeat_at, stopped_at)"
+            " VALUES (%(id)s, %(lanes)s, 'x', 'h', 1, %(beat)s, %(stopped)s)",
+            {"id": wid, "lanes": wlanes, "beat": beat, "stopped": stopped},
+        )
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert [(s.lane, s.release, s.runs, s.runnable) for s in report.stranded] == [
+        (stranded, "gone", 2, 2)
+    ]
+    assert report.stranded[0].oldest_wait_s == pytest.approx(600)
+    # A lane whose runs waited less than stranded_after_s is not reported yet.
+    young = await recovery.run_once(conn, now=T0, stranded_after_s=3600)
+    assert young.stranded == ()
+
+
+# ---- adopt ------------------------------------------------------------------------------
+
+
+async def test_adopt_moves_unfinished_runs_and_their_jobs(conn: Conn) -> None:
+    old = await lane(conn, release="v1", lease_ttl_s=TTL)
+    new = await lane(conn, release="v2")
+    running = await submit(conn, release="v1")
+    await claim(conn, old)
+    queued = await submit(conn, release="v1")
+    asleep = await sleeping(conn, old, available_at=T0 + timedelta(hours=1))
+    await conn.execute("UPDATE wq_runs SET release = 'v1' WHERE id = %(id)s", {"id": asleep})
+    sleep_job = int(
+        await one(
+            conn,
+            "INSERT INTO procrastinate_jobs (queue_name, task_name, args, scheduled_at)"
+            " VALUES (%(q)s, 'wq.run', %(args)s, %(at)s) RETURNING id",
+            {"q": old, "args": Jsonb({"run_id": str(asleep)}), "at": T0 + timedelta(hours=1)},
+        )
+    )
+    await conn.execute(
+        "UPDATE wq_runs SET job_id = %(j)s WHERE id = %(id)s", {"j": sleep_job, "id": asleep}
+    )
+    done = await finished_run(conn, old, state="succeeded", finished_at=T0)
+    old_queued_job = (await runs.get(conn, queued)).job_id
+    running_job = (await runs.get(conn, running)).job_id
+
+    moved = await recovery.adopt(conn, from_release="v1", to_release="v2")
+
+    assert moved == 3
+    for run_id in (running, queued, asleep):
+        run = await runs.get(conn, run_id)
+        assert (run.lane, run.release) == (new, "v2")
+        assert "adopted" in await event_kinds(conn, run_id)
+    assert (await runs.get(conn, done)).lane == old  # finished runs stay where they were
+    q_run = await runs.get(conn, queued)
+    assert await run_jobs(conn, queued) == [
+        (old_queued_job, "cancelled", old, None),
+        (q_run.job_id, "todo", new, None),
+    ]
+    s_run = await runs.get(conn, asleep)
+    assert await run_jobs(conn, asleep) == [
+        (sleep_job, "cancelled", old, T0 + timedelta(hours=1)),
+        (s_run.job_id, "todo", new, T0 + timedelta(hours=1)),
+    ]
+    assert (await runs.get(conn, running)).job_id == running_job  # its attempt goes on
+    # A worker of v2 now claims the queued run from the new lane.
+    [claimed] = await claim(conn, new, now=T0 + timedelta(seconds=TTL))
+    assert claimed.run_id == queued
+    # The running run's lapsed lease retries on the new lane.
+    report = await recovery.run_once(conn, now=T0 + timedelta(seconds=TTL + 1))
+    [rescued] = report.expired
+    assert (rescued.run_id, rescued.lane) == (running, new)
+
+
+async def test_adopt_refuses_bad_targets(conn: Conn) -> None:
+    await lane(conn, release="v1")
+    await lane(conn, release="v0")
+    await lanes.reclaim(conn, "v0")
+    with pytest.raises(InvalidField, match="into itself"):
+        await recovery.adopt(conn, from_release="v1", to_release="v1")
+    with pytest.raises(InvalidField, match="did you mean 'v1'"):
+        await recovery.adopt(conn, from_release="v11", to_release="v2")
+    with pytest.raises(LaneReclaimed):
+        await recovery.adopt(conn, from_release="v1", to_release="v0")
+    # A target with no lane yet is prepared lazily; nothing to move is not an error.
+    assert await recovery.adopt(conn, from_release="v1", to_release="v3") == 0
+    assert (await lanes.get(conn, "r-v3")) is not None
