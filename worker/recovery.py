@@ -32,7 +32,7 @@ import psycopg
 import structlog
 
 from queues import lanes, migrations, recovery
-from queues.errors import InvalidField
+from queues.errors import DatabaseUnreachable, InvalidField
 from worker import db
 
 log = structlog.get_logger("worker.recovery")
@@ -141,7 +141,8 @@ async def recover_forever(
                     on_pass(report)
                 if report.saturated:
                     delay = 0.0
-            except psycopg.Error as exc:
+            except (psycopg.Error, DatabaseUnreachable) as exc:
+                # Postgres restarting, a killed backend: retry at the next pass.
                 log.warning("recovery_pass_failed", error=repr(exc), retry_in_s=round(delay, 1))
                 if conn is not None:
                     await conn.close()
