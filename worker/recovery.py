@@ -191,11 +191,15 @@ async def run_periodic_worker(url: str, stop_event: asyncio.Event) -> None:
             name="wq-maintenance",
         )
         stop = asyncio.create_task(stop_event.wait())
-        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
-        stop.cancel()
-        task.cancel()  # procrastinate stops gracefully on cancel (finishes a running pass)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        try:
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Also when we are cancelled: procrastinate must finish its shutdown (it
+            # unregisters its worker) before the app closes.
+            stop.cancel()
+            task.cancel()  # procrastinate stops gracefully on cancel (finishes a pass)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 # ---- CLI ----------------------------------------------------------------------------------
