@@ -196,6 +196,13 @@ def parse_run_id(value: str) -> uuid.UUID:
     help="Write this file once the worker is ready.",
 )
 @click.option(
+    "--max-outage",
+    type=click.FloatRange(1, 86400),
+    default=60.0,
+    show_default=True,
+    help="Exit non-zero when the database stays unreachable this many seconds.",
+)
+@click.option(
     "--grace",
     type=click.FloatRange(0, 3600),
     default=20.0,
@@ -210,6 +217,7 @@ def start(
     concurrency: int | None,
     adopt: tuple[str, ...],
     ready_file: Path | None,
+    max_outage: float,
     grace: float,
 ) -> None:
     """Verify the schema, prepare the lane, report ready, then execute runs."""
@@ -224,6 +232,7 @@ def start(
         adopt=adopt,
         ready_file=ready_file,
         grace_s=grace,
+        max_outage_s=max_outage,
     )
     sys.exit(run(runtime.serve(settings)))
 

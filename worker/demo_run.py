@@ -43,7 +43,7 @@ async def run_demo(url: str, *, rows: int, echo: Callable[[str], None]) -> int:
             admitted = await admission.Admitter().submit(
                 conn,
                 admission.Submission(
-                    play="enrich", params={"page_delay_s": 0.3}, release=DEMO_RELEASE
+                    play="enrich", params={"page_delay_s": 0.8}, release=DEMO_RELEASE
                 ),
                 url=url,
                 known_plays=demo_plays.names(),

@@ -136,7 +136,10 @@ class Worker:
             min_size=2,
             max_size=concurrency_hint + 4,
             open=False,
-            kwargs={"autocommit": True},
+            kwargs={"autocommit": True, "connect_timeout": 5},
+            # A getconn that cannot be served soon is an outage, not a queue: fail fast so
+            # the loops' outage accounting (and max_outage_s) sees it.
+            timeout=min(5.0, self.s.max_outage_s / 2),
         )
         await self.pool.open(wait=True, timeout=30)
         try:
@@ -237,7 +240,7 @@ class Worker:
     # ---- loops --------------------------------------------------------------------------
 
     async def _listen(self) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(self.s.url, autocommit=True)
+        conn = await psycopg.AsyncConnection.connect(self.s.url, autocommit=True, connect_timeout=5)
         for lane in self.lane_names:
             await conn.execute(
                 psycopg.sql.SQL("LISTEN {}").format(
