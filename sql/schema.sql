@@ -1139,6 +1139,12 @@ CREATE INDEX procrastinate_periodic_defers_job_id_fkey_v1 ON public.procrastinat
 CREATE INDEX wq_events_run_idx ON public.wq_events USING btree (run_id, id);
 
 --
+-- Name: wq_jobs_lane_todo_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_jobs_lane_todo_idx ON public.procrastinate_jobs USING btree (queue_name, priority DESC, id) WHERE (status = 'todo'::public.procrastinate_job_status);
+
+--
 -- Name: wq_receipts_owner_idx; Type: INDEX; Schema: public; Owner: -
 --
 

@@ -137,7 +137,7 @@ fence AS (
 ),
 page AS (
     SELECT k.step_key, k.result::jsonb AS result
-    FROM unnest(%(keys)s::text[], %(results)s::text[]) AS k (step_key, result)
+    FROM unnest(%(keys)s::text[], %(results)b::text[]) AS k (step_key, result)
 ),
 settled AS (
     SELECT step_key

@@ -40,24 +40,35 @@ SELECT id, play, params, state::text, lane
 -- A delivery whose run is terminal, cancelled, leased or not pointing at this job is
 -- returned as dropped (claimed = false). SKIP LOCKED keeps claimers off each other's rows.
 WITH picked AS (
-    -- Only our task's jobs; a run id that is not a UUID is delivered as NULL and dropped.
-    SELECT j.id,
-           CASE WHEN j.args ->> 'run_id' ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
-                THEN (j.args ->> 'run_id')::uuid END AS run_id
-      FROM procrastinate_jobs j
-     WHERE j.status = 'todo'
-       AND j.queue_name = ANY (%(lanes)s::text[])
-       AND j.task_name = 'wq.run'
-       AND (j.scheduled_at IS NULL OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))
+    -- Per lane, an ordered walk of wq_jobs_lane_todo_idx (lane, priority, id) that stops
+    -- after N rows whatever the table statistics or other lanes' backlog; then the best N
+    -- over the lanes (one lane, unless the worker adopted others).
+    SELECT j.id
+      FROM unnest(%(lanes)s::text[]) AS lane (name)
+     CROSS JOIN LATERAL (
+            SELECT j.id, j.priority
+              FROM procrastinate_jobs j
+             WHERE j.status = 'todo'
+               AND j.queue_name = lane.name
+               AND j.task_name = 'wq.run'
+               AND (j.scheduled_at IS NULL
+                    OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))
+             ORDER BY j.priority DESC, j.id
+             LIMIT %(limit)s
+               FOR UPDATE OF j SKIP LOCKED
+           ) j
      ORDER BY j.priority DESC, j.id
      LIMIT %(limit)s
-       FOR UPDATE OF j SKIP LOCKED
 ), taken AS (
     UPDATE procrastinate_jobs j
        SET status = 'doing', worker_id = %(procrastinate_worker)s
       FROM picked
      WHERE j.id = picked.id
-    RETURNING j.id, picked.run_id
+    -- Parsed only for the taken rows: a run id that is not a UUID comes back NULL (dropped).
+    RETURNING j.id,
+              CASE WHEN j.args ->> 'run_id'
+                        ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                   THEN (j.args ->> 'run_id')::uuid END AS run_id
 ), claimed AS (
     UPDATE wq_runs r
        SET state = 'running',

@@ -53,7 +53,7 @@ WHERE run_id = %(run_id)s AND sheet = %(sheet)s AND org = %(org)s;
 -- from another run: a same-run re-stamp (a legacy wake) must not count a row twice.
 WITH page AS (
     SELECT p.row_key, p.input
-    FROM unnest(%(keys)s::text[], %(inputs)s::jsonb[]) AS p (row_key, input)
+    FROM unnest(%(keys)s::text[], %(inputs)b::jsonb[]) AS p (row_key, input)
 ), prior AS (
     SELECT r.row_key, r.run_id
     FROM wq_sheet_rows r
@@ -97,7 +97,7 @@ WHERE org = %(org)s AND sheet = %(sheet)s AND row_key = ANY (%(keys)s::text[]);
 -- cannot race with a concurrent admission. Rows absent from `locked` do not exist.
 WITH page AS (
     SELECT c.row_key, c.status, c.output
-    FROM unnest(%(keys)s::text[], %(statuses)s::wq_row_status[], %(outputs)s::jsonb[])
+    FROM unnest(%(keys)s::text[], %(statuses)s::wq_row_status[], %(outputs)b::jsonb[])
         AS c (row_key, status, output)
 ), locked AS (
     SELECT r.row_key, r.run_id, r.write_version, r.status, r.output
