@@ -665,3 +665,28 @@ def _refused(
         f"{head}: {reason}",
         fix="stop this attempt; the write of the attempt that owns the step stands",
     )
+
+
+async def extend_for_attempts(
+    conn: AsyncConn,
+    *,
+    leases: Sequence[tuple[UUID, int]],
+    lease_s: float,
+    now: datetime | None = None,
+) -> None:
+    """Extend the step leases held by several live attempts in one statement.
+
+    The worker's heartbeat calls this with the (run, attempt) pairs whose run leases it
+    has just renewed, so a step longer than its lease keeps its execution lock.
+    """
+    if not leases:
+        return
+    await conn.execute(
+        q("receipt_extend_for_attempts"),
+        {
+            "run_ids": [run_id for run_id, _ in leases],
+            "attempts": [attempt for _, attempt in leases],
+            "lease_s": lease_s,
+            "now": now,
+        },
+    )

@@ -29,10 +29,10 @@ import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from queues import admission, lanes, migrations, runs
+from queues import admission, lanes, migrations, receipts, runs
 from queues.errors import FenceError, WorkerError
 from worker import recovery
-from worker.context import RunContext, RunInfo, Suspend
+from worker.context import STEP_LEASE_S, RunContext, RunInfo, Suspend
 from worker.plays import Fatal, Registry
 
 log = structlog.get_logger("worker.runtime")
@@ -507,6 +507,11 @@ class Worker:
             try:
                 async with self.pool.connection(timeout=period) as conn:
                     renewed = await runs.heartbeat(conn, worker_id=self.s.worker_id, leases=leases)
+                    await receipts.extend_for_attempts(
+                        conn,
+                        leases=[(r.run_id, r.attempt) for r in renewed],
+                        lease_s=STEP_LEASE_S,
+                    )
                     await runs.worker_heartbeat(conn, self.s.worker_id)
             except (*TRANSIENT, TimeoutError) as exc:
                 silent = time.monotonic() - self._last_renewal

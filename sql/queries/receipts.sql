@@ -246,3 +246,13 @@ SELECT org, play, scope, step_key, status, owner_run, owner_attempt, lease_expir
        result, error, created_at, completed_at
 FROM wq_receipts
 WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s AND step_key = %(step_key)s
+
+-- name: receipt_extend_for_attempts :exec
+-- Extend the step leases of a worker's live attempts in one statement (its heartbeat
+-- calls this with the attempts whose run leases it just renewed).
+UPDATE wq_receipts r
+   SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s)
+  FROM unnest(%(run_ids)s::uuid[], %(attempts)s::int[]) AS i (run_id, attempt)
+ WHERE r.owner_run = i.run_id
+   AND r.owner_attempt = i.attempt
+   AND r.status = 'claimed';

@@ -217,6 +217,26 @@ async def test_extend_leases_keeps_a_long_step_claimed(conn: Conn) -> None:
         await receipts.extend_leases(conn, run_id=run_a, attempt=1, lease_s=LEASE, now=beat)
 
 
+async def test_heartbeat_extends_the_step_leases_of_many_attempts_in_one_call(
+    conn: Conn,
+) -> None:
+    scope = Scope.named("shared")
+    run_a, run_b, run_c = [await make_run(conn) for _ in range(3)]
+    for run_id, key in ((run_a, "a"), (run_b, "b"), (run_c, "c")):
+        await receipts.claim(conn, **ref(run_id, 1, key, scope), lease_s=LEASE, now=T0)
+    beat = T0 + timedelta(seconds=20)
+    # run_c's attempt is not among the renewed leases: its step lease is left to lapse.
+    await receipts.extend_for_attempts(
+        conn, leases=[(run_a, 1), (run_b, 1)], lease_s=LEASE, now=beat
+    )
+    leases = {
+        key: (await receipt(conn, run_id, key, scope)).lease_expires_at
+        for run_id, key in ((run_a, "a"), (run_b, "b"), (run_c, "c"))
+    }
+    assert leases["a"] == leases["b"] == beat + timedelta(seconds=LEASE)
+    assert leases["c"] == T0 + timedelta(seconds=LEASE)
+
+
 # ---- fences ----------------------------------------------------------------------------
 
 
