@@ -16,14 +16,14 @@ at the end, even on error), one fresh database per system:
 2. floor: the same writes with no queue, one process, one connection, autocommit, per page:
    insert the page into a sheet-like table, insert its receipts, one fenced UPDATE of the
    page's outputs. Two variants: ``INSERT ... SELECT FROM unnest`` and ``COPY``. The floor
-   is the best case: unprepared statements, ``enable_nestloop = off`` (see ROWS.md).
+   is the best case: unprepared statements, ``enable_nestloop = off`` (see bench/README.md).
 3. procrastinate: bare procrastinate, one job per row (``--procrastinate-rows``); the task
    computes the same output and UPDATEs its row in a table keyed by row. Jobs are deferred
    in batches, then ``ANALYZE``, then an in-process worker (concurrency 4, ``wait=False``:
    it returns once the queue is empty) drains them.
 
 Run: ``.venv/bin/python -m bench.rows [--rows 100000] [--page 1000]``. Results: a table on
-stdout and ``bench/results/rows.json``. See ``bench/ROWS.md``.
+stdout and ``bench/results/rows.json``. See ``bench/README.md``.
 """
 
 from __future__ import annotations

@@ -53,12 +53,7 @@ class Lane:
 
     @property
     def retry(self) -> RetryPolicy:
-        return RetryPolicy(
-            max_attempts=self.retry_max_attempts,
-            base_s=self.retry_base_s,
-            cap_s=self.retry_cap_s,
-            jitter=self.retry_jitter,
-        )
+        return RetryPolicy.of(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +86,16 @@ class RetryPolicy:
 
     def exhausted(self, attempt: int) -> bool:
         return attempt >= self.max_attempts
+
+    @classmethod
+    def of(cls, row: Any) -> RetryPolicy:
+        """The policy held in a row's ``retry_*`` columns (a lane, or a row joined to one)."""
+        return cls(
+            max_attempts=row.retry_max_attempts or 1,
+            base_s=row.retry_base_s or 0.0,
+            cap_s=row.retry_cap_s or 0.0,
+            jitter=row.retry_jitter or 0.0,
+        )
 
 
 def validate_release(release: str, *, field: str = "release") -> str:

@@ -67,12 +67,7 @@ class _Expired:
 
     @property
     def policy(self) -> RetryPolicy:
-        return RetryPolicy(
-            max_attempts=self.retry_max_attempts,
-            base_s=self.retry_base_s,
-            cap_s=self.retry_cap_s,
-            jitter=self.retry_jitter,
-        )
+        return RetryPolicy.of(self)
 
 
 @dataclass(frozen=True, slots=True)

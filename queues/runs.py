@@ -73,12 +73,7 @@ class Claimed:
 
     @property
     def retry(self) -> RetryPolicy:
-        return RetryPolicy(
-            max_attempts=self.retry_max_attempts or 1,
-            base_s=self.retry_base_s or 0.0,
-            cap_s=self.retry_cap_s or 0.0,
-            jitter=self.retry_jitter or 0.0,
-        )
+        return RetryPolicy.of(self)
 
 
 @dataclass(frozen=True, slots=True)

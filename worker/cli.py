@@ -12,9 +12,10 @@ import sys
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
+import psycopg
 
 from queues import admission, inputs, lanes, migrations, runs
 from queues.errors import InvalidField, WorkerError
@@ -44,6 +45,20 @@ def run(coro: Awaitable[T]) -> T:
         return await coro
 
     return asyncio.run(main())
+
+
+Conn = psycopg.AsyncConnection[Any]
+
+
+def connected(state: State, go: Callable[[Conn], Awaitable[int]]) -> NoReturn:
+    """Run ``go`` on one autocommit connection to the database and exit with its code."""
+
+    async def main() -> int:
+        conn = await db.connect(state.url, autocommit=True)
+        async with conn:
+            return await go(conn)
+
+    sys.exit(asyncio.run(main()))
 
 
 def emit_json(data: Any) -> None:
@@ -88,31 +103,29 @@ def cli(
 def migrate(state: State, check: bool) -> None:
     """Apply procrastinate's schema and ours (the only command that runs DDL)."""
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            if check:
-                todo = await migrations.pending(conn)
-                if todo:
-                    click.echo(f"pending migrations ({len(todo)}):")
-                    for name in todo:
-                        click.echo(f"  {name}")
-                    return 1
-                contract = migrations.code_contract()
-                click.echo(
-                    f"schema is current: version {contract.version} (checksum {contract.checksum})"
-                )
-                return 0
-            report = await migrations.migrate(conn)
+    async def go(conn: Conn) -> int:
+        if check:
+            todo = await migrations.pending(conn)
+            if todo:
+                click.echo(f"pending migrations ({len(todo)}):")
+                for name in todo:
+                    click.echo(f"  {name}")
+                return 1
+            contract = migrations.code_contract()
             click.echo(
-                f"applied {len(report.applied)} migration(s); schema contract version "
-                f"{report.contract.version} (checksum {report.contract.checksum})"
+                f"schema is current: version {contract.version} (checksum {contract.checksum})"
             )
-            for name in report.applied:
-                click.echo(f"  {name}")
             return 0
+        report = await migrations.migrate(conn)
+        click.echo(
+            f"applied {len(report.applied)} migration(s); schema contract version "
+            f"{report.contract.version} (checksum {report.contract.checksum})"
+        )
+        for name in report.applied:
+            click.echo(f"  {name}")
+        return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.group("db")
@@ -323,27 +336,25 @@ def submit(
     rows = inputs.read_rows(input_path) if input_path else None
     known = None if only else plays.load_app(app).names()
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            admitted = await admission.Admitter(admission_only=only).submit(
-                conn, sub, url=state.url, known_plays=known, inputs=rows
-            )
-            data: dict[str, Any] = {
-                "run_id": str(admitted.run_id),
-                "created": admitted.created,
-                "lane": admitted.lane,
-            }
-            if not wait:
-                if as_json:
-                    emit_json(data)
-                else:
-                    verb = "admitted" if admitted.created else "already admitted"
-                    click.echo(f"{verb} run {admitted.run_id} on lane {admitted.lane}")
-                return 0
+    async def go(conn: Conn) -> int:
+        admitted = await admission.Admitter(admission_only=only).submit(
+            conn, sub, url=state.url, known_plays=known, inputs=rows
+        )
+        data: dict[str, Any] = {
+            "run_id": str(admitted.run_id),
+            "created": admitted.created,
+            "lane": admitted.lane,
+        }
+        if not wait:
+            if as_json:
+                emit_json(data)
+            else:
+                verb = "admitted" if admitted.created else "already admitted"
+                click.echo(f"{verb} run {admitted.run_id} on lane {admitted.lane}")
+            return 0
         return await _wait_result(state.url, admitted.run_id, None, as_json)
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 EXIT_BY_STATE = {"succeeded": 0, "failed": 1, "cancelled": 3}
@@ -377,10 +388,8 @@ def result(state: State, run_id: str, wait: bool, timeout: float | None, as_json
     if wait:
         sys.exit(run(_wait_result(state.url, rid, timeout, as_json)))
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            run_ = await runs.get(conn, rid)
+    async def go(conn: Conn) -> int:
+        run_ = await runs.get(conn, rid)
         if as_json:
             emit_json(observe.run_dict(run_))
         else:
@@ -389,7 +398,7 @@ def result(state: State, run_id: str, wait: bool, timeout: float | None, as_json
                 click.echo(f"result: {json.dumps(run_.result, sort_keys=True)}")
         return EXIT_BY_STATE.get(run_.state, 5)
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.command("observe")
@@ -408,10 +417,8 @@ def cancel(state: State, run_id: str, reason: str | None) -> None:
     """Cancel a run (idempotent; a finished run is left as it is)."""
     rid = parse_run_id(run_id)
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            res = await runs.cancel(conn, rid, reason=reason)
+    async def go(conn: Conn) -> int:
+        res = await runs.cancel(conn, rid, reason=reason)
         if not res.changed:
             click.echo(
                 f"run {rid} is {res.before}: nothing to cancel"
@@ -424,7 +431,7 @@ def cancel(state: State, run_id: str, reason: str | None) -> None:
             click.echo(f"run {rid}: cancellation requested; the running attempt stops shortly")
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.command()
@@ -443,10 +450,8 @@ def emit(state: State, event: str, payload: str | None) -> None:
             fix="fix the JSON",
         ) from exc
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            res = await runs.emit(conn, event, value)
+    async def go(conn: Conn) -> int:
+        res = await runs.emit(conn, event, value)
         click.echo(
             f"event {event!r} "
             + (
@@ -457,7 +462,7 @@ def emit(state: State, event: str, payload: str | None) -> None:
         )
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.group("runs")
@@ -483,10 +488,8 @@ def runs_list(
     """Recent runs, newest first."""
     lane = lanes.lane_name(release) if release else None
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            found = await runs.list_runs(conn, state=state_, lane=lane, limit=limit)
+    async def go(conn: Conn) -> int:
+        found = await runs.list_runs(conn, state=state_, lane=lane, limit=limit)
         if as_json:
             emit_json([observe.run_dict(r) for r in found])
         else:
@@ -497,7 +500,7 @@ def runs_list(
                 )
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @runs_group.command("show")
@@ -508,12 +511,10 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
     """One run with its attempts and ledger."""
     rid = parse_run_id(run_id)
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            run_ = await runs.get(conn, rid)
-            tries = await runs.attempts(conn, rid)
-            ledger = await runs.events(conn, rid)
+    async def go(conn: Conn) -> int:
+        run_ = await runs.get(conn, rid)
+        tries = await runs.attempts(conn, rid)
+        ledger = await runs.events(conn, rid)
         data = observe.run_dict(run_) | {
             "attempts": [
                 {
@@ -537,7 +538,7 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
             click.echo(json.dumps(data, indent=2, default=str, sort_keys=True))
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.group("queues")
@@ -551,10 +552,8 @@ def queues_group() -> None:
 def queues_list(state: State, as_json: bool) -> None:
     """Every lane with its state, unfinished runs and live workers."""
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            found = await lanes.list_lanes(conn)
+    async def go(conn: Conn) -> int:
+        found = await lanes.list_lanes(conn)
         if as_json:
             emit_json(
                 [
@@ -576,7 +575,7 @@ def queues_list(state: State, as_json: bool) -> None:
                 )
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @queues_group.command("prepare")
@@ -586,15 +585,13 @@ def queues_prepare(state: State, release: str) -> None:
     """Prepare RELEASE's lane (idempotent; registry rows only)."""
     lanes.validate_release(release, field="RELEASE")
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            await migrations.verify_contract(conn, url=state.url)
-            lane = await lanes.prepare(conn, release)
+    async def go(conn: Conn) -> int:
+        await migrations.verify_contract(conn, url=state.url)
+        lane = await lanes.prepare(conn, release)
         click.echo(f"lane {lane.name} {lane.state}")
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @queues_group.command("drain")
@@ -604,14 +601,12 @@ def queues_drain(state: State, release: str) -> None:
     """Stop admissions to RELEASE's lane while its workers finish."""
     lanes.validate_release(release, field="RELEASE")
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            lane = await lanes.drain(conn, release)
+    async def go(conn: Conn) -> int:
+        lane = await lanes.drain(conn, release)
         click.echo(f"lane {lane.name} {lane.state}")
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @queues_group.command("reclaim")
@@ -622,17 +617,15 @@ def queues_reclaim(state: State, release: str, force: bool) -> None:
     """Retire RELEASE's lane after a cutover."""
     lanes.validate_release(release, field="RELEASE")
 
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            rep = await lanes.reclaim(conn, release, force=force)
+    async def go(conn: Conn) -> int:
+        rep = await lanes.reclaim(conn, release, force=force)
         click.echo(
             f"lane {rep.lane} reclaimed (was {rep.was}; {rep.unfinished} unfinished "
             f"run(s); {rep.jobs_cancelled} waiting job(s) cancelled)"
         )
         return 0
 
-    sys.exit(run(go()))
+    connected(state, go)
 
 
 @cli.command()

@@ -88,6 +88,17 @@ class RunContext:
     def cleanups(self) -> Sequence[CleanupFn]:
         return tuple(self._cleanups)
 
+    def _ref(self, name: str, scope: str | None) -> dict[str, Any]:
+        """The receipt reference of the next step called ``name`` (ordinal suffixed)."""
+        return {
+            "org": self.info.org,
+            "play": self.info.play,
+            "scope": self._scope(scope),
+            "step_key": receipts.step_key(name, self._seen),
+            "run_id": self.info.run_id,
+            "attempt": self.info.attempt,
+        }
+
     def _scope(self, scope: str | None) -> receipts.Scope:
         if scope is None:
             return receipts.Scope.of_run(self.info.run_id)
@@ -101,20 +112,10 @@ class RunContext:
         scope: str | None = None,
     ) -> Any:
         """Run ``fn(*args)`` at most once to completion per scope; replay its result."""
-        key = receipts.step_key(name, self._seen)
-        scope_key = self._scope(scope)
+        ref = self._ref(name, scope)
         while True:
             async with self._pool.connection() as conn:
-                claim = await receipts.claim(
-                    conn,
-                    org=self.info.org,
-                    play=self.info.play,
-                    scope=scope_key,
-                    step_key=key,
-                    run_id=self.info.run_id,
-                    attempt=self.info.attempt,
-                    lease_s=STEP_LEASE_S,
-                )
+                claim = await receipts.claim(conn, **ref, lease_s=STEP_LEASE_S)
             if claim.outcome is receipts.ClaimOutcome.REPLAY:
                 return claim.result
             if claim.outcome is receipts.ClaimOutcome.SKIPPED:
@@ -127,30 +128,24 @@ class RunContext:
             if inspect.isawaitable(value):
                 value = await value
         except Exception as exc:
+            error = {"type": type(exc).__name__, "message": str(exc)}
             async with self._pool.connection() as conn:
-                await receipts.fail(
-                    conn,
-                    org=self.info.org,
-                    play=self.info.play,
-                    scope=scope_key,
-                    step_key=key,
-                    run_id=self.info.run_id,
-                    attempt=self.info.attempt,
-                    error={"type": type(exc).__name__, "message": str(exc)},
-                )
+                await receipts.fail(conn, **ref, error=error)
             raise
         async with self._pool.connection() as conn:
-            await receipts.complete(
-                conn,
-                org=self.info.org,
-                play=self.info.play,
-                scope=scope_key,
-                step_key=key,
-                run_id=self.info.run_id,
-                attempt=self.info.attempt,
-                result=value,
-            )
-        return value
+            # The value as stored (tuples become lists): a replay returns the same thing.
+            return await receipts.complete(conn, **ref, result=value)
+
+    async def skip(self, name: str, *, scope: str | None = None) -> bool:
+        """Record that the play decided not to execute step ``name``: later attempts replay
+        it as skipped (``step`` returns None). Returns False if it had already completed."""
+        ref = self._ref(name, scope)
+        async with self._pool.connection() as conn:
+            claim = await receipts.claim(conn, **ref, lease_s=STEP_LEASE_S)
+            if claim.outcome is not receipts.ClaimOutcome.EXECUTE:
+                return claim.outcome is receipts.ClaimOutcome.SKIPPED
+            await receipts.skip(conn, **ref)
+        return True
 
     async def steps_done(self, keys: Sequence[str], *, scope: str | None = None) -> dict[str, Any]:
         """Completed results of a page of row-step keys, in one round trip."""

@@ -114,3 +114,18 @@ async def _paid_chunk(
         await sheet.complete(
             [sheets.RowCompletion(key=k.removeprefix("row:"), output={"v": k}) for k in keys]
         )
+
+
+@registry.play("skipper")
+async def skipper(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Attempt 1 skips a step and fails; attempt 2 reaches the same step, which replays
+    as skipped (None) without running."""
+
+    async def paid() -> str:
+        await side_effect(ctx, "optional")
+        return "ran"
+
+    if ctx.attempt == 1:
+        assert await ctx.skip("optional")
+        raise RuntimeError("fail once after the skip")
+    return {"replayed": await ctx.step("optional", paid)}

@@ -151,3 +151,23 @@ async def test_heartbeat_keeps_a_long_attempt_leased(url: str) -> None:
     assert [a.outcome for a in attempts] == ["succeeded"]
     # The lease was renewed past its first expiry while the attempt ran.
     assert run.finished_at is not None and run.finished_at > first
+
+
+async def test_a_skipped_step_replays_as_skipped_and_never_runs(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        from queues import lanes
+
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", retry_base_s=0.0)
+    async with running_worker(url, registry):
+        run_id = await submit(url, "skipper")
+        assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+        cur = await conn.execute(
+            "SELECT status::text FROM wq_receipts WHERE scope = %s", (f"run:{run_id}",)
+        )
+        statuses = [s for (s,) in await cur.fetchall()]
+    assert run.result == {"replayed": None}
+    assert statuses == ["skipped"]
+    assert await side_effects(url, run_id) == {}
