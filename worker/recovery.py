@@ -165,7 +165,13 @@ def make_procrastinate_app(url: str) -> procrastinate.App:
     ``app.open_async()``: its worker defers the tick (once per tick across all workers)
     and executes the job.
     """
-    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
+    # A short pool timeout: while the database is away the maintenance worker must fail
+    # fast (and be restarted by the worker's loop), never hold the worker's shutdown.
+    app = procrastinate.App(
+        connector=procrastinate.PsycopgConnector(
+            conninfo=url, timeout=5.0, kwargs={"connect_timeout": 5}
+        )
+    )
 
     @app.periodic(cron="* * * * *", periodic_id=PERIODIC_ID)
     @app.task(name=TASK_NAME, queue=MAINTENANCE_QUEUE)

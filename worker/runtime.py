@@ -31,7 +31,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import admission, lanes, migrations, receipts, runs
 from queues.errors import FenceError, WorkerError
-from worker import recovery
+from worker import db, recovery
 from worker.context import STEP_LEASE_S, RunContext, RunInfo, Suspend
 from worker.plays import Fatal, Registry
 
@@ -130,11 +130,14 @@ class Worker:
 
     async def run(self) -> int:
         """Run until stopped; returns the process exit code."""
-        concurrency_hint = self.s.concurrency or 16
+        await self._startup()
+        assert self.s.concurrency is not None
         self.pool = AsyncConnectionPool(
             self.s.url,
             min_size=2,
-            max_size=concurrency_hint + 4,
+            # Every running attempt can hold one connection, plus the claim, finish,
+            # heartbeat and maintenance loops.
+            max_size=self.s.concurrency + 4,
             open=False,
             kwargs={"autocommit": True, "connect_timeout": 5},
             # A getconn that cannot be served soon is an outage, not a queue: fail fast so
@@ -143,14 +146,14 @@ class Worker:
         )
         await self.pool.open(wait=True, timeout=30)
         try:
-            await self._startup()
             return await self._serve()
         finally:
             await self.pool.close()
 
     async def _startup(self) -> None:
-        assert self.pool is not None
-        async with self.pool.connection() as conn:
+        """Verify the contract, prepare the lanes (before reporting ready), register."""
+        conn = await db.connect(self.s.url, autocommit=True)
+        async with conn:
             await migrations.verify_contract(conn, url=self.s.url)
             # The worker owns preparation: its lane is prepared before it reports ready.
             for release in (self.s.release, *self.s.adopt):
