@@ -229,6 +229,7 @@ async def submit(
                         "run_id": inserted_id,
                         "pages": list(range(len(chunks))),
                         "rows": [Jsonb([list(pair) for pair in chunk]) for chunk in chunks],
+                        "count": len(inputs),
                     },
                 )
             return Admitted(run_id=inserted_id, created=True, lane=lane, job_id=job_id)

@@ -96,6 +96,7 @@ class Run:
     error: Any
     cancel_requested_at: datetime | None
     cancel_reason: str | None
+    input_rows: int  # rows given at submit
     rows_admitted: int
     rows_done: int
     created_at: datetime
@@ -105,6 +106,11 @@ class Run:
     @property
     def terminal(self) -> bool:
         return RunState(self.state).terminal
+
+    @property
+    def rows_total(self) -> int:
+        """The rows the run will work on, as far as known: its input, or what it admitted."""
+        return max(self.input_rows, self.rows_admitted)
 
 
 @dataclass(frozen=True, slots=True)

@@ -870,6 +870,7 @@ CREATE TABLE public.wq_runs (
     started_at timestamp with time zone,
     finished_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    input_rows bigint DEFAULT 0 NOT NULL,
     CONSTRAINT wq_runs_lease_while_running CHECK (((state <> 'running'::public.wq_run_state) OR (lease_owner IS NOT NULL)))
 );
 

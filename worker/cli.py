@@ -16,6 +16,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 import psycopg
+from click.core import ParameterSource
 
 from queues import admission, inputs, lanes, migrations, runs
 from queues.errors import InvalidField, WorkerError
@@ -496,7 +497,7 @@ def runs_list(
             for r in found:
                 click.echo(
                     f"{r.id}  {r.state:<9}  {r.play:<16} {r.lane:<16} attempt={r.attempt}"
-                    f"  rows={r.rows_done}/{r.rows_admitted}  {r.created_at:%Y-%m-%d %H:%M:%S}"
+                    f"  rows={r.rows_done}/{r.rows_total}  {r.created_at:%Y-%m-%d %H:%M:%S}"
                 )
         return 0
 
@@ -636,9 +637,13 @@ def queues_reclaim(state: State, release: str, force: bool) -> None:
     show_default=True,
     help="How many sample rows to enrich.",
 )
-@pass_state
-def demo(state: State, rows: int) -> None:
+@click.pass_context
+def demo(ctx: click.Context, rows: int) -> None:
     """Migrate, start a worker, enrich a bundled sample live, summarise, shut down."""
+    state = ctx.find_object(State)
+    assert state is not None
+    if ctx.find_root().get_parameter_source("log_level") is ParameterSource.DEFAULT:
+        logs.quiet()  # the demo's own lines tell the story; --log-level INFO shows all
     sys.exit(run(demo_run.run_demo(state.url, rows=rows, echo=click.echo)))
 
 

@@ -64,3 +64,8 @@ def _identity(
     _logger: object, _name: str, event_dict: structlog.types.EventDict
 ) -> structlog.types.EventDict:
     return event_dict
+
+
+def quiet() -> None:
+    """Only warnings and errors from here on (the demo, whose output is for a person)."""
+    logging.getLogger().setLevel(logging.WARNING)

@@ -78,7 +78,7 @@ async def follow(url: str, run_id: uuid.UUID, echo: Callable[[str], None]) -> in
                 attempt = event.attempt or "-"
                 echo(f"{event.at:%H:%M:%S} {event.kind:<18} attempt={attempt} {detail}")
             run = await runs.get(listener, run_id)
-            bar = progress_bar(run.rows_done, run.rows_admitted)
+            bar = progress_bar(run.rows_done, run.rows_total)
             if bar and bar != last_bar:
                 echo(f"  {bar}")
                 last_bar = bar

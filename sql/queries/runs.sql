@@ -268,8 +268,8 @@ SELECT (SELECT state::text FROM target) AS before,
 -- One run as the CLI and the API show it.
 SELECT id, org, play, params, release, lane, idempotency_key, state::text, attempt,
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
-       cancel_requested_at, cancel_reason, rows_admitted, rows_done, created_at, started_at,
-       finished_at
+       cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
+       started_at, finished_at
   FROM wq_runs
  WHERE id = %(run_id)s;
 
@@ -277,8 +277,8 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
 -- Recent runs, newest first, optionally of one state or lane.
 SELECT id, org, play, params, release, lane, idempotency_key, state::text, attempt,
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
-       cancel_requested_at, cancel_reason, rows_admitted, rows_done, created_at, started_at,
-       finished_at
+       cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
+       started_at, finished_at
   FROM wq_runs
  WHERE (%(state)s::text IS NULL OR state::text = %(state)s)
    AND (%(lane)s::text IS NULL OR lane = %(lane)s)
@@ -352,10 +352,13 @@ SELECT (SELECT count(*) FROM emitted) AS first, (SELECT count(*) FROM woken) AS 
 SELECT payload, emitted_at FROM wq_emitted_events WHERE name = %(name)s;
 
 -- name: run_input_insert :exec
--- Store a submit's input rows as pages (same transaction as the launch row).
-INSERT INTO wq_run_inputs (run_id, page, rows)
-SELECT %(run_id)s, p.page, p.rows
-  FROM unnest(%(pages)s::int[], %(rows)s::jsonb[]) AS p(page, rows);
+-- Store a submit's input rows as pages (same transaction as the launch row) and count them.
+WITH pages AS (
+    INSERT INTO wq_run_inputs (run_id, page, rows)
+    SELECT %(run_id)s, p.page, p.rows
+      FROM unnest(%(pages)s::int[], %(rows)s::jsonb[]) AS p(page, rows)
+)
+UPDATE wq_runs SET input_rows = %(count)s WHERE id = %(run_id)s;
 
 -- name: run_input_page :one
 -- One page of a run's input rows (NULL past the last page).

@@ -246,3 +246,16 @@ async def test_lazy_preparation_and_one_log_line_naming_the_lane(tx: Conn) -> No
     for key in ("permit_wait_ms", "queue_depth", "prepare_ms", "insert_ms", "total_ms"):
         assert key in line, key
     assert line["admission_only"] is False
+
+
+async def test_input_rows_are_stored_in_pages_with_the_launch_row_and_counted(tx: Conn) -> None:
+    rel = release()
+    await lanes.prepare(tx, rel)
+    rows = [(f"k{i}", {"i": i}) for i in range(2500)]
+    admitted = await admission.submit(tx, Submission(play="enrich", release=rel), inputs=rows)
+    run = await runs.get(tx, admitted.run_id)
+    assert (run.input_rows, run.rows_admitted, run.rows_total) == (2500, 0, 2500)
+    pages = [await runs.input_page(tx, admitted.run_id, page) for page in range(4)]
+    assert [len(p) for p in pages[:3] if p is not None] == [1000, 1000, 500]
+    assert pages[3] is None
+    assert pages[2] is not None and pages[2][-1] == ("k2499", {"i": 2499})
