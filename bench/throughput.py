@@ -39,6 +39,7 @@ import signal
 import sys
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -130,7 +131,7 @@ def _sigterm(_signum: int, _frame: Any) -> None:
 
 
 @dataclass
-class System:
+class System(ABC):
     """What a phase needs from a system: a worker, a submitter, counters, timestamps."""
 
     name: str
@@ -139,40 +140,42 @@ class System:
     submitters: int
     stats: dict[str, Any] = field(default_factory=dict)
 
-    async def setup(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def setup(self) -> None: ...
 
     async def close(self) -> None:
         return None
 
-    async def start_worker(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def start_worker(self) -> None: ...
 
-    async def worker_ready(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def worker_ready(self) -> None: ...
 
-    async def stop_worker(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def stop_worker(self) -> None: ...
 
-    async def submit_many(self, n: int) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def submit_many(self, n: int) -> None: ...
 
-    async def submit_one(self) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    async def submit_one(self) -> Any: ...
 
-    async def done(self, conn: psycopg.AsyncConnection[Any]) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    async def done(self, conn: psycopg.AsyncConnection[Any]) -> int: ...
 
+    @abstractmethod
     async def since_last_finish(self, conn: psycopg.AsyncConnection[Any]) -> float:
         """Seconds between the last run's finish (server time) and now (server time)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     async def pickups(self, conn: psycopg.AsyncConnection[Any], ids: list[Any]) -> list[float]:
         """Submit-to-start seconds of the given runs/jobs, from server timestamps."""
-        raise NotImplementedError
+        ...
 
-    async def check_alive(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def check_alive(self) -> None: ...
 
 
 class Ours(System):
