@@ -171,3 +171,37 @@ async def test_a_skipped_step_replays_as_skipped_and_never_runs(url: str) -> Non
     assert run.result == {"replayed": None}
     assert statuses == ["skipped"]
     assert await side_effects(url, run_id) == {}
+
+
+async def test_watchdog_stops_an_attempt_whose_lease_was_rescued(url: str) -> None:
+    """Recovery rescues the lease of a live attempt (as it would after a long stall); the
+    next heartbeat is refused and the worker stops the attempt at once, writing nothing."""
+    from datetime import timedelta
+
+    from queues import lanes, recovery
+    from tests.apps.plays import registry as plays
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", lease_ttl_s=2.0, heartbeat_s=0.5)
+    async with running_worker(url, plays) as worker:
+        run_id = await submit(url, "slow", {"seconds": 60})
+        await eventually(lambda: _is(url, run_id, "running"))
+        assert run_id in worker.live
+        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            cur = await conn.execute("SELECT now()")
+            row = await cur.fetchone()
+            assert row is not None
+            report = await recovery.run_once(conn, now=row[0] + timedelta(seconds=10))
+        assert [r.run_id for r in report.expired] == [run_id]
+
+        async def attempt_stopped() -> bool:
+            return run_id not in worker.live
+
+        await eventually(attempt_stopped, timeout=5)  # not the play's 60 s
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+        attempts = await runs.attempts(conn, run_id)
+    # The rescued attempt wrote nothing after the rescue: the run waits for attempt 2.
+    assert (run.state, run.attempt, run.result) == ("queued", 1, None)
+    assert [a.outcome for a in attempts] == ["lease_expired"]
