@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -307,7 +308,12 @@ def _read_params(params: str | None, params_file: Path | None) -> dict[str, Any]
 @release_option
 @click.option("--org", default="default", show_default=True, help="Organisation of the run.")
 @click.option("--idempotency-key", default=None, help="Key that makes the submit idempotent.")
-@click.option("--app", "app", default=None, help="module:attribute of your play Registry.")
+@click.option(
+    "--app",
+    "app",
+    default=None,
+    help="module:attribute of your play Registry, to refuse unknown plays before writing.",
+)
 @click.option("--wait", is_flag=True, help="Wait for the run to finish.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @pass_state
@@ -335,7 +341,10 @@ def submit(
     )
     # Every check of the input happens before anything is written.
     rows = inputs.read_rows(input_path) if input_path else None
-    known = None if only else plays.load_app(app).names()
+    # The plays are known here only when the app is named (--app or WORKER_APP); otherwise
+    # the worker refuses an unknown play (without burning an attempt).
+    named_app = app or os.environ.get("WORKER_APP")
+    known = plays.load_app(app).names() if named_app and not only else None
 
     async def go(conn: Conn) -> int:
         admitted = await admission.Admitter(admission_only=only).submit(
