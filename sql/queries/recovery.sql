@@ -202,9 +202,10 @@ SELECT id AS run_id FROM done;
 SELECT name, state::text FROM wq_lanes WHERE name = %(name)s FOR SHARE;
 
 -- name: recovery_retention_runs :many
--- Delete a batch of terminal runs past their lane's retention (cascades to their rows).
+-- Delete a batch of terminal runs past their lane's retention (cascades to their rows),
+-- with the receipts of their own run scope (named scopes outlive runs on purpose).
 WITH doomed AS (
-    SELECT r.id
+    SELECT r.id, r.org, r.play
       FROM wq_runs r
       JOIN wq_lanes l ON l.name = r.lane
      WHERE r.finished_at IS NOT NULL
@@ -214,6 +215,10 @@ WITH doomed AS (
      ORDER BY r.finished_at
      LIMIT %(batch)s
        FOR UPDATE OF r SKIP LOCKED
+), receipts AS (
+    DELETE FROM wq_receipts rc
+     USING doomed d
+     WHERE rc.org = d.org AND rc.play = d.play AND rc.scope = 'run:' || d.id
 )
 DELETE FROM wq_runs r
  USING doomed d

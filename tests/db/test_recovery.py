@@ -342,6 +342,12 @@ async def finished_run(
     await conn.execute(
         "INSERT INTO wq_run_inputs (run_id, page, rows) VALUES (%(id)s, 0, '[]')", {"id": run_id}
     )
+    await conn.execute(
+        "INSERT INTO wq_receipts (org, play, scope, step_key, status, result)"
+        " VALUES ('o', %(play)s, 'run:' || %(id)s, 'step', 'completed', '1'),"
+        "        ('o', %(play)s, 'shared', %(id)s::text, 'completed', '1')",
+        {"id": run_id, "play": PLAY},
+    )
     return run_id
 
 
@@ -399,6 +405,27 @@ async def test_retention_deletes_only_old_terminal_runs_and_jobs(conn: Conn) -> 
         {"ids": [old_job, recent_job, waiting_job]},
     )
     assert {r[0] for r in await cur.fetchall()} == {recent_job, waiting_job}
+    # A deleted run's own receipts go with it; a named scope's receipts stay (reruns
+    # reuse what was paid for).
+    cur = await conn.execute(
+        "SELECT scope FROM wq_receipts WHERE scope LIKE 'run:%%' ORDER BY scope"
+    )
+    assert {r[0] for r in await cur.fetchall()} >= {f"run:{recent}", f"run:{unfinished}"}
+    for gone in (old, old_failed):
+        assert (
+            await one(
+                conn, "SELECT count(*) FROM wq_receipts WHERE scope = %(s)s", {"s": f"run:{gone}"}
+            )
+            == 0
+        )
+        assert (
+            await one(
+                conn,
+                "SELECT count(*) FROM wq_receipts WHERE scope = 'shared' AND step_key = %(k)s",
+                {"k": str(gone)},
+            )
+            == 1
+        )
 
 
 async def test_retention_is_bounded_by_the_batch(conn: Conn) -> None:
