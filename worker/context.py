@@ -228,7 +228,7 @@ class Sheet:
     async def admit(
         self, rows: Sequence[tuple[str, Any]], *, stable_intent: bool = True
     ) -> sheets.AdmitResult:
-        async with self.ctx._pool.connection() as conn:
+        async with self.ctx.connection() as conn:
             result = await sheets.admit_page(
                 conn,
                 org=self.ctx.info.org,
@@ -244,7 +244,7 @@ class Sheet:
     async def complete(
         self, completions: Sequence[sheets.RowCompletion], *, raise_on_superseded: bool = True
     ) -> sheets.CompletionResult:
-        async with self.ctx._pool.connection() as conn:
+        async with self.ctx.connection() as conn:
             return await sheets.complete_rows(
                 conn,
                 org=self.ctx.info.org,
