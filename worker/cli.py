@@ -20,6 +20,7 @@ import psycopg
 from click.core import ParameterSource
 
 from queues import admission, inputs, lanes, migrations, runs
+from queues import metrics as metrics_mod
 from queues.errors import InvalidField, WorkerError
 from worker import config, db, demo_run, embedded, logs, observe, plays, recovery, runtime
 
@@ -633,6 +634,51 @@ def queues_reclaim(state: State, release: str, force: bool) -> None:
             f"lane {rep.lane} reclaimed (was {rep.was}; {rep.unfinished} unfinished "
             f"run(s); {rep.jobs_cancelled} waiting job(s) cancelled)"
         )
+        return 0
+
+    connected(state, go)
+
+
+@cli.command()
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json", "prometheus"]),
+    default="text",
+    show_default=True,
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(1),
+    default=3600.0,
+    show_default=True,
+    help="Seconds of attempt history for the rescue and stale-write counts.",
+)
+@pass_state
+def metrics(state: State, fmt: str, window: float) -> None:
+    """Queue depth, live workers, lease rescues, stale writes refused, stranded runs."""
+
+    async def go(conn: Conn) -> int:
+        found = await metrics_mod.collect(conn, window_s=window)
+        if fmt == "json":
+            emit_json(found.as_dict())
+        elif fmt == "prometheus":
+            click.echo(found.prometheus(), nl=False)
+        else:
+            for m in found.lanes:
+                click.echo(
+                    f"{m.lane:<24} {m.lane_state:<10} queued={m.queued} running={m.running} "
+                    f"sleeping={m.sleeping} due_jobs={m.due_jobs} workers={m.live_workers} "
+                    f"oldest_due_wait={m.oldest_due_wait_s:.1f}s"
+                )
+            a = found.attempts
+            click.echo(
+                f"last {window:g}s: lease rescues {a.lease_rescues}, stale writes refused "
+                f"{a.stale_writes_refused}, failed {a.failed_attempts}, succeeded "
+                f"{a.succeeded_attempts}, handed back {a.handed_back}"
+            )
+            for s in found.stranded:
+                click.echo(f"stranded: {s.lane} {s.runs} run(s), oldest {s.oldest_wait_s:.0f}s")
         return 0
 
     connected(state, go)

@@ -1,0 +1,37 @@
+-- name: metrics_lanes :many
+-- Per lane: runs by state, due waiting jobs, live workers, oldest due wait (read only).
+-- Bounded by the unfinished-runs partial index and the lane's todo-jobs index.
+SELECT l.name AS lane,
+       l.state::text AS lane_state,
+       count(r.id) FILTER (WHERE r.state = 'queued') AS queued,
+       count(r.id) FILTER (WHERE r.state = 'running') AS running,
+       count(r.id) FILTER (WHERE r.state = 'sleeping') AS sleeping,
+       (SELECT count(*) FROM procrastinate_jobs j
+         WHERE j.queue_name = l.name AND j.status = 'todo'
+           AND (j.scheduled_at IS NULL
+                OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))) AS due_jobs,
+       (SELECT count(*) FROM wq_workers w
+         WHERE l.name = ANY (w.lanes) AND w.stopped_at IS NULL
+           AND w.heartbeat_at > coalesce(%(now)s::timestamptz, now())
+                                - make_interval(secs => l.lease_ttl_s)) AS live_workers,
+       coalesce(extract(epoch FROM coalesce(%(now)s::timestamptz, now())
+                        - min(coalesce(r.available_at, r.created_at))
+                          FILTER (WHERE r.state = 'queued'
+                                    AND coalesce(r.available_at, r.created_at)
+                                        <= coalesce(%(now)s::timestamptz, now()))), 0)::float
+           AS oldest_due_wait_s
+  FROM wq_lanes l
+  LEFT JOIN wq_runs r
+    ON r.lane = l.name AND r.state IN ('queued', 'running', 'sleeping')
+ GROUP BY l.name, l.state, l.lease_ttl_s
+ ORDER BY l.name;
+
+-- name: metrics_attempts :one
+-- Attempt outcomes that finished within the window: rescues, stale writes refused, etc.
+SELECT count(*) FILTER (WHERE outcome = 'lease_expired') AS lease_rescues,
+       count(*) FILTER (WHERE outcome = 'superseded') AS stale_writes_refused,
+       count(*) FILTER (WHERE outcome = 'failed') AS failed_attempts,
+       count(*) FILTER (WHERE outcome = 'succeeded') AS succeeded_attempts,
+       count(*) FILTER (WHERE outcome = 'handed_back') AS handed_back
+  FROM wq_attempts
+ WHERE finished_at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(window_s)s);
