@@ -106,6 +106,7 @@ class _Live:
     ctx: RunContext
     task: asyncio.Task[None]
     stop_reason: str | None = None  # cancel | lease_lost | handback
+    finishing: bool = False  # the play is done; its final write is under way
 
 
 class Worker:
@@ -234,10 +235,16 @@ class Worker:
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for live in list(self.live.values()):
-            live.stop_reason = "handback"
-            live.task.cancel()
-        while self.live:
-            await asyncio.sleep(0.01)
+            if not live.finishing:
+                live.stop_reason = "handback"
+                live.task.cancel()
+        tasks = [live.task for live in self.live.values()]
+        if tasks:
+            # Hand-backs and final writes need the database; do not wait past the outage
+            # limit for them (the leases lapse and recovery takes over).
+            _, pending = await asyncio.wait(tasks, timeout=self.s.max_outage_s + 5)
+            if pending:
+                log.error("shutdown_abandoned_attempts", count=len(pending))
         await self._flush()
 
     # ---- loops --------------------------------------------------------------------------
@@ -296,6 +303,8 @@ class Worker:
             self._stop_run(live, "cancel")
 
     def _stop_run(self, live: _Live, reason: str) -> None:
+        if live.finishing:
+            return  # the play is done; its fenced final write decides
         live.stop_reason = reason
         live.ctx.cancel_requested = reason == "cancel"
         live.task.cancel()
@@ -347,6 +356,18 @@ class Worker:
         self.live[c.run_id] = _Live(c, ctx, task)
 
     async def _execute(self, c: runs.Claimed, ctx: RunContext) -> None:
+        """One attempt; whatever happens, its slot is freed and the worker can drain."""
+        try:
+            await self._attempt(c, ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the final write itself failed (the database is gone)
+            log.error("attempt_final_write_failed", run_id=str(c.run_id), error=repr(exc)[:300])
+        finally:
+            self.live.pop(c.run_id, None)
+            self.capacity.set()
+
+    async def _attempt(self, c: runs.Claimed, ctx: RunContext) -> None:
         structlog.contextvars.bind_contextvars(run_id=str(c.run_id), attempt=c.attempt, lane=c.lane)
         started = time.perf_counter()
         assert c.attempt is not None
@@ -383,6 +404,9 @@ class Worker:
                 retryable=not isinstance(exc, Fatal | WorkerError),
             )
         applied = True
+        live = self.live.get(c.run_id)
+        if live is not None:
+            live.finishing = True  # a hand-back must not interrupt the final write
         if written is not None:
             applied = written
         elif final is not None:
@@ -403,8 +427,6 @@ class Worker:
             final_write="applied" if applied and final is not None else "refused",
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
-        self.live.pop(c.run_id, None)
-        self.capacity.set()
 
     def _success(self, c: runs.Claimed, result: Any) -> runs.Finish:
         assert c.attempt is not None

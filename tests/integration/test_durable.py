@@ -205,3 +205,32 @@ async def test_watchdog_stops_an_attempt_whose_lease_was_rescued(url: str) -> No
     # The rescued attempt wrote nothing after the rescue: the run waits for attempt 2.
     assert (run.state, run.attempt, run.result) == ("queued", 1, None)
     assert [a.outcome for a in attempts] == ["lease_expired"]
+
+
+async def test_shutdown_does_not_interrupt_a_final_write_under_way(url: str) -> None:
+    """A run whose play is done when the worker stops keeps its final write (no hand-back,
+    no hang): the shutdown waits for it instead of cancelling it."""
+    from tests.apps.plays import registry as plays
+
+    gate = asyncio.Event()
+    async with running_worker(url, plays, grace_s=0.0) as worker:
+        original = worker._submit_finish
+
+        async def held(final: runs.Finish) -> bool:
+            await gate.wait()  # the final write is under way when the stop comes
+            return await original(final)
+
+        worker._submit_finish = held  # type: ignore[method-assign]
+        run_id = await submit(url, "echo", {"x": 1})
+
+        async def finishing() -> bool:
+            live = worker.live.get(run_id)
+            return live is not None and live.finishing
+
+        await eventually(finishing)
+        asyncio.get_running_loop().call_later(0.3, gate.set)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        run = await runs.get(conn, run_id)
+        attempts = await runs.attempts(conn, run_id)
+    assert run.state == "succeeded"
+    assert [a.outcome for a in attempts] == ["succeeded"]
