@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 import structlog
@@ -36,6 +36,7 @@ from queues.errors import (
     PayloadTooLarge,
     UnknownPlay,
     did_you_mean,
+    translate,
 )
 from queues.queries import q
 
@@ -185,7 +186,8 @@ async def submit(
     params, _ = encode_params(sub.params)
     run_id = uuid.uuid4()
     async with conn.transaction():
-        cur = await conn.execute(
+        cur = await _execute_translated(
+            conn,
             q("run_submit"),
             {
                 "id": run_id,
@@ -254,6 +256,19 @@ def _existing(sub: Submission, params: Mapping[str, Any], existing: Any) -> Admi
             fix="use a new key for a different request",
         )
     return Admitted(run_id=existing_id, created=False, lane=existing_lane, job_id=None)
+
+
+async def _execute_translated(
+    conn: psycopg.AsyncConnection[Any], query: LiteralString, params: Mapping[str, Any]
+) -> psycopg.AsyncCursor[Any]:
+    """Execute, turning a database error we know (e.g. a missing schema) into ours."""
+    try:
+        return await conn.execute(query, params)
+    except psycopg.Error as exc:
+        mapped = translate(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
 
 
 class Admitter:

@@ -209,6 +209,13 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str | None:
     return matches[0] if matches else None
 
 
+_SCHEMA_MISSING = (
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedObject,
+)
+
 # Custom SQLSTATEs raised by our SQL (class WQ). Never reuse a code for a new meaning.
 SQLSTATE_ERRORS: dict[str, type[WorkerError]] = {
     "WQ001": LaneNotPrepared,
@@ -223,6 +230,13 @@ SQLSTATE_ERRORS: dict[str, type[WorkerError]] = {
 def translate(exc: psycopg.Error) -> WorkerError | None:
     """Map a database error raised by our SQL onto the error tree, or None."""
     diag = exc.diag
+    if isinstance(exc, _SCHEMA_MISSING):
+        # Admission-only callers skip the contract check: a schema that is missing or
+        # behind shows up here, as an unknown table, column or function.
+        return SchemaContractMismatch(
+            f"the database schema is missing or behind this code: {diag.message_primary}",
+            fix="run `worker migrate` (the release step) with this code's release",
+        )
     cls = SQLSTATE_ERRORS.get(diag.sqlstate or "")
     if cls is None:
         if isinstance(exc, psycopg.OperationalError):

@@ -21,7 +21,7 @@ from click.core import ParameterSource
 
 from queues import admission, inputs, lanes, migrations, runs
 from queues import metrics as metrics_mod
-from queues.errors import InvalidField, WorkerError
+from queues.errors import InvalidField, WorkerError, translate
 from worker import config, db, demo_run, embedded, logs, observe, plays, recovery, runtime
 
 T = TypeVar("T")
@@ -722,6 +722,15 @@ def main(argv: list[str] | None = None) -> None:
     except WorkerError as exc:
         report(exc)
         sys.exit(exc.exit_code)
+    except psycopg.Error as exc:
+        # The last boundary: a database error is reported, never a traceback.
+        mapped = translate(exc)
+        if mapped is not None:
+            report(mapped)
+            sys.exit(mapped.exit_code)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        click.echo(f"error[DATABASE_ERROR]: {first}", err=True)
+        sys.exit(1)
     except embedded.EmbeddedPostgresError as exc:
         click.echo(f"error[{exc.code}]: {exc}", err=True)
         sys.exit(1)
