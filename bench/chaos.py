@@ -188,24 +188,22 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
 
         logs = home / "logs"
         logs.mkdir()
-        workers = [
-            _spawn(
-                [
-                    "start",
-                    "--release",
-                    RELEASE,
-                    "--app",
-                    APP,
-                    "--concurrency",
-                    str(cfg.concurrency),
-                    "--grace",
-                    "1",
-                ],
-                url,
-                logs / f"worker-{i}.log",
-            )
-            for i in range(cfg.workers)
-        ]
+
+        def start_worker(i: int) -> subprocess.Popen[bytes]:
+            args = [
+                "start",
+                "--release",
+                RELEASE,
+                "--app",
+                APP,
+                "--grace",
+                "1",
+                "--concurrency",
+                str(cfg.concurrency),
+            ]
+            return _spawn(args, url, logs / f"worker-{i}.log")
+
+        workers = [start_worker(i) for i in range(cfg.workers)]
         recovery = _spawn(["recover", "--every", "1s"], url, logs / "recovery.log")
         procs.extend([*workers, recovery])
 
@@ -225,21 +223,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
                     i = rng.randrange(len(workers))
                     workers[i].send_signal(signal.SIGKILL)
                     workers[i].wait()
-                    workers[i] = _spawn(
-                        [
-                            "start",
-                            "--release",
-                            RELEASE,
-                            "--app",
-                            APP,
-                            "--concurrency",
-                            str(cfg.concurrency),
-                            "--grace",
-                            "1",
-                        ],
-                        url,
-                        logs / f"worker-{i}.log",
-                    )
+                    workers[i] = start_worker(i)
                     procs.append(workers[i])
                     kills += 1
                     last_fault = now
@@ -267,21 +251,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
             # as a supervisor would.
             for i, proc in enumerate(workers):
                 if proc.poll() is not None:
-                    workers[i] = _spawn(
-                        [
-                            "start",
-                            "--release",
-                            RELEASE,
-                            "--app",
-                            APP,
-                            "--concurrency",
-                            str(cfg.concurrency),
-                            "--grace",
-                            "1",
-                        ],
-                        url,
-                        logs / f"worker-{i}.log",
-                    )
+                    workers[i] = start_worker(i)
                     procs.append(workers[i])
             time.sleep(0.1)
         done_at = time.monotonic()

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import platform
 import shutil
@@ -49,15 +48,30 @@ from typing import Any
 
 import procrastinate
 import psycopg
-import structlog
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.types.json import Jsonb
 
+from bench.common import (
+    BenchError,
+    connect,
+    create_database,
+    quiet_logging,
+    scalar,
+    server_info,
+    sigterm_exits,
+)
 from queues import admission, lanes, migrations, receipts
 from worker import embedded
 from worker.demo import score
 
 RELEASE = "bench"
+SERVER_SETTINGS = (
+    "shared_buffers",
+    "synchronous_commit",
+    "fsync",
+    "wal_level",
+    "max_wal_size",
+    "autovacuum",
+)
 SHEET = "bench-rows"
 ORG = "default"
 PROCRASTINATE_QUEUE = "rows"
@@ -69,10 +83,6 @@ TARGET_RSS_MB = 150.0
 COUNTRIES = ("US", "BR", "DE", "FR", "IN", "JP", "GB", "CA")
 
 _children: list[subprocess.Popen[bytes]] = []  # worker subprocesses to end on any exit
-
-
-class BenchError(RuntimeError):
-    """A phase failed: a timeout, a worker that died, a failed correctness check."""
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -101,29 +111,6 @@ def make_rows(n: int) -> list[tuple[str, dict[str, Any]]]:
 def pages_of(rows: list[Any], size: int) -> Iterator[list[Any]]:
     for i in range(0, len(rows), size):
         yield rows[i : i + size]
-
-
-def with_dbname(url: str, dbname: str) -> str:
-    params = conninfo_to_dict(url)
-    params["dbname"] = dbname
-    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
-
-
-async def connect(url: str) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
-
-
-async def scalar(conn: psycopg.AsyncConnection[Any], sql: Any, params: Any = None) -> Any:
-    cur = await conn.execute(sql, params)
-    row = await cur.fetchone()
-    return None if row is None else row[0]
-
-
-async def create_database(admin_url: str, name: str) -> str:
-    async with await connect(admin_url) as conn:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    return with_dbname(admin_url, name)
 
 
 def proc_memory_mb(pid: int) -> dict[str, float]:
@@ -546,21 +533,6 @@ async def bench_procrastinate(admin_url: str, n: int, concurrency: int) -> dict[
 # ---- orchestration ----------------------------------------------------------------------
 
 
-async def server_info(admin_url: str) -> dict[str, Any]:
-    async with await connect(admin_url) as conn:
-        info: dict[str, Any] = {"version": await scalar(conn, "SHOW server_version")}
-        for setting in (
-            "shared_buffers",
-            "synchronous_commit",
-            "fsync",
-            "wal_level",
-            "max_wal_size",
-            "autovacuum",
-        ):
-            info[setting] = await scalar(conn, f"SHOW {setting}")
-    return info
-
-
 async def run_bench(
     admin_url: str, home: Path, args: argparse.Namespace, results: dict[str, Any]
 ) -> None:
@@ -672,16 +644,6 @@ def print_table(results: dict[str, Any], ratio: dict[str, float]) -> None:
             )
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    logging.getLogger("procrastinate.blueprints").setLevel(logging.ERROR)
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.rows",
@@ -732,14 +694,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise SystemExit(143)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging()
-    signal.signal(signal.SIGTERM, _sigterm)
+    quiet_logging()
+    signal.signal(signal.SIGTERM, sigterm_exits)
     home = Path(tempfile.mkdtemp(prefix="wq-rows-", dir="/tmp"))
     home.chmod(0o755)
     report: dict[str, Any] = {
@@ -773,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"throwaway Postgres {server.major_version} on port {server.port} ({home})")
 
         async def body() -> None:
-            report["server"] = await server_info(admin_url)
+            report["server"] = await server_info(admin_url, SERVER_SETTINGS)
             await asyncio.wait_for(run_bench(admin_url, home, args, results), args.timeout)
 
         asyncio.run(body())

@@ -48,15 +48,30 @@ from typing import Any
 
 import procrastinate
 import psycopg
-import structlog
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from bench.common import (
+    BenchError,
+    connect,
+    create_database,
+    drop_database,
+    quiet_logging,
+    scalar,
+    server_info,
+    sigterm_exits,
+)
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.demo import demo_plays
 from worker.runtime import POLL_INTERVAL_S, Settings, Worker
 
 RELEASE = "bench"
+SERVER_SETTINGS = (
+    "shared_buffers",
+    "synchronous_commit",
+    "fsync",
+    "max_connections",
+    "autovacuum",
+)
 PROCRASTINATE_QUEUE = "bench"
 POLL_S = 0.05  # completion polling period
 LATENCY_SPACING_S = 0.02
@@ -68,16 +83,6 @@ PHASES = (
     ("submit_drain_analyzed", "submit+drain, analyzed"),
     ("drain_alone_analyzed", "drain alone, analyzed"),
 )
-
-
-class BenchError(RuntimeError):
-    """A phase did not complete (timeout, a worker that died)."""
-
-
-def with_dbname(url: str, dbname: str) -> str:
-    params = conninfo_to_dict(url)
-    params["dbname"] = dbname
-    return make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -102,16 +107,6 @@ def ms_summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-async def connect(url: str) -> psycopg.AsyncConnection[Any]:
-    return await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=10)
-
-
-async def scalar(conn: psycopg.AsyncConnection[Any], sql: str, params: Any = None) -> Any:
-    cur = await conn.execute(sql, params)
-    row = await cur.fetchone()
-    return None if row is None else row[0]
-
-
 async def _gather_cancelling(coros: list[Awaitable[Any]]) -> list[Any]:
     """gather() that cancels the siblings when one fails."""
     tasks = [asyncio.ensure_future(c) for c in coros]
@@ -121,10 +116,6 @@ async def _gather_cancelling(coros: list[Awaitable[Any]]) -> list[Any]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise SystemExit(143)
 
 
 # ---- the two systems ------------------------------------------------------------------
@@ -609,32 +600,6 @@ def steps(args: argparse.Namespace) -> list[tuple[str, Step]]:
     ]
 
 
-async def server_info(admin_url: str) -> dict[str, Any]:
-    async with await connect(admin_url) as conn:
-        info: dict[str, Any] = {"version": await scalar(conn, "SHOW server_version")}
-        for setting in (
-            "shared_buffers",
-            "synchronous_commit",
-            "fsync",
-            "max_connections",
-            "autovacuum",
-        ):
-            info[setting] = await scalar(conn, f"SHOW {setting}")
-    return info
-
-
-async def create_database(admin_url: str, name: str) -> str:
-    async with await connect(admin_url) as conn:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    return with_dbname(admin_url, name)
-
-
-async def drop_database(admin_url: str, name: str) -> None:
-    async with await connect(admin_url) as conn:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 async def run_round(
     admin_url: str, postmaster: int, args: argparse.Namespace, round_no: int
 ) -> dict[str, Any]:
@@ -805,14 +770,7 @@ def configure_logging(mode: str) -> None:
         for name in ("procrastinate", "psycopg", "psycopg.pool"):
             logging.getLogger(name).setLevel(logging.INFO)
         return
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    # "App is instantiated in the main Python module": true under `-m`, and harmless here.
-    logging.getLogger("procrastinate.blueprints").setLevel(logging.ERROR)
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-    )
+    quiet_logging()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -858,7 +816,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.logs)
-    signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGTERM, sigterm_exits)
     home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
     home.chmod(0o755)
     report: dict[str, Any] = {
@@ -901,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):  # stop the bench, then clean up
                 loop.add_signal_handler(sig, me.cancel)
             results = await asyncio.wait_for(run_bench(admin_url, server.pid, args), args.timeout)
-            report["server"] = await server_info(admin_url)
+            report["server"] = await server_info(admin_url, SERVER_SETTINGS)
             return results
 
         report["results"] = asyncio.run(body())
