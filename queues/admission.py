@@ -122,7 +122,7 @@ def validate(sub: Submission, known_plays: frozenset[str] | None) -> None:
             rule=f"1 to {MAX_KEY_LENGTH} characters",
             fix="use a delivery id or a request id",
         )
-    encode_params(sub.params)
+    # The params are checked (and encoded once) by submit itself, before any write.
 
 
 class _PrepareMemo:
