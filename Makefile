@@ -21,7 +21,11 @@ demo: ## Run the demo on the embedded Postgres
 bench: ## Throughput and latency against bare procrastinate
 	$(V)/bin/python -m bench.throughput
 
+baselines: ## Every workload beside plain SQL, procrastinate, Absurd and Graphile Worker
+	$(V)/bin/pip install -q -e '.[bench]'
+	$(V)/bin/python -m bench.baselines
+
 schema: ## Regenerate sql/schema.sql from the migrations
 	$(V)/bin/python scripts/dump_schema.py
 
-.PHONY: help install lint test check demo bench schema
+.PHONY: help install lint test check demo bench baselines schema

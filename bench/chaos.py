@@ -1,17 +1,29 @@
 """Chaos: SIGKILLed workers, a Postgres restart and killed backends, with nothing lost.
 
 A workload of runs of the ``paid-rows`` play (sheets, and a side-effect-counting step per
-row) runs on three worker processes and one recovery process, while the harness
-SIGKILLs a random worker every few seconds and restarts it, restarts Postgres once
-mid-way (immediate shutdown: a crash), and terminates every worker backend with
-pg_terminate_backend. At the end it checks and prints:
+row) runs on three worker processes and one recovery process. Runs share sheets (several
+runs admit the same row keys), so their write versions really compete: a later run's
+intent takes over the rows an earlier run has not finished. The lane keeps the default
+retry policy (5 attempts, exponential backoff); only its lease is short (3 s, heartbeat
+1 s), which makes every kill harsher, not gentler. Faults are scheduled by progress (rows
+completed so far), not by the clock: a worker is SIGKILLed and restarted at every few
+percent, every worker backend is terminated at others, and Postgres is crash-restarted
+(immediate shutdown) once, mid-way.
+
+Audit triggers, installed in the run's database, record every write in the writing
+transaction: each terminal row write with the writer's attempt and the run's state at that
+moment, each completed receipt likewise. At the end the harness checks and prints:
 
 - every run terminal and succeeded;
-- every row has exactly one accepted terminal write (counted by a trigger);
-- no step whose receipt was completed ran again; side effects per row are one, plus the
-  steps in flight at the kills (reported);
-- zero stale writes applied (every row carries its run's write intent version);
+- every row finished exactly once (no terminal write on an already terminal row);
+- zero stale writes applied: no row or receipt written by an attempt that was not its
+  run's live attempt when it wrote, and no row output written after its writing attempt
+  was closed (compared with the attempt history);
+- no step whose receipt was completed ran again (side effects per run and row);
 - the time from the last fault to the last run finishing.
+
+Each of those checks fails if its fence is removed from the SQL (see
+``scripts/fence_mutants.py``): they compare what was written with who was allowed to write.
 
     python -m bench.chaos --runs 100 --rows 1000      # larger than the CI size
 
@@ -52,24 +64,46 @@ CREATE TABLE IF NOT EXISTS test_side_effects (
     attempt integer NOT NULL,
     at      timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE TABLE chaos_terminal_writes (
-    org text, sheet text, row_key text, write_version bigint,
+-- Every write of a row's output, in the writing transaction: the row's status before and
+-- after, the writer's run and attempt, and the run's state, attempt and lease owner as the
+-- transaction sees them (the fence holds the run's row, so this is the run as it was).
+CREATE TABLE chaos_row_writes (
+    org text, sheet text, row_key text, old_status text, new_status text,
+    run_id uuid, writer_attempt integer, run_state text, run_attempt integer,
     at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
-CREATE FUNCTION chaos_count_terminal() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION chaos_audit_row() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO chaos_terminal_writes (org, sheet, row_key, write_version)
-    VALUES (NEW.org, NEW.sheet, NEW.row_key, NEW.write_version);
+    INSERT INTO chaos_row_writes (org, sheet, row_key, old_status, new_status, run_id,
+                                  writer_attempt, run_state, run_attempt)
+    SELECT NEW.org, NEW.sheet, NEW.row_key, OLD.status::text, NEW.status::text, NEW.run_id,
+           NEW.attempt, r.state::text, r.attempt
+      FROM wq_runs r WHERE r.id = NEW.run_id;
     RETURN NEW;
 END;
 $$;
-CREATE TRIGGER chaos_terminal AFTER UPDATE ON wq_sheet_rows FOR EACH ROW
-    WHEN (OLD.status = 'pending' AND NEW.status <> 'pending')
-    EXECUTE FUNCTION chaos_count_terminal();
-UPDATE wq_lanes
-   SET lease_ttl_s = 3, heartbeat_s = 1, retry_max_attempts = 1000,
-       retry_base_s = 0.2, retry_cap_s = 1, retry_jitter = 0.1, concurrency = 4
- WHERE name = 'r-chaos';
+CREATE TRIGGER chaos_row_audit AFTER UPDATE ON wq_sheet_rows FOR EACH ROW
+    WHEN (NEW.status <> 'pending')
+    EXECUTE FUNCTION chaos_audit_row();
+-- Every completed receipt, with the run as the writing transaction sees it.
+CREATE TABLE chaos_receipt_writes (
+    scope text, step_key text, owner_run uuid, owner_attempt integer, run_state text,
+    run_attempt integer, at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE FUNCTION chaos_audit_receipt() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO chaos_receipt_writes (scope, step_key, owner_run, owner_attempt, run_state,
+                                      run_attempt)
+    SELECT NEW.scope, NEW.step_key, NEW.owner_run, NEW.owner_attempt, r.state::text, r.attempt
+      FROM wq_runs r WHERE r.id = NEW.owner_run;
+    RETURN NEW;
+END;
+$$;
+CREATE TRIGGER chaos_receipt_audit AFTER INSERT OR UPDATE ON wq_receipts FOR EACH ROW
+    WHEN (NEW.status = 'completed')
+    EXECUTE FUNCTION chaos_audit_receipt();
+-- The lane's retry policy stays at its defaults; only the lease is short.
+UPDATE wq_lanes SET lease_ttl_s = 3, heartbeat_s = 1, concurrency = 4 WHERE name = 'r-chaos';
 """
 
 
@@ -77,16 +111,22 @@ UPDATE wq_lanes
 class ChaosConfig:
     runs: int = 20
     rows: int = 500
+    sheets: int = 5  # runs share sheets: runs r, r + sheets, ... admit the same row keys
     workers: int = 3
     concurrency: int = 4
     chunk: int = 25
     chunk_delay_s: float = 0.2  # paces a run (a real play waits on APIs) so faults land mid-run
-    kill_every_s: float = 2.0
-    terminate_every_s: float = 3.0
-    restart_after_s: float = 4.0  # the one Postgres crash-restart, after the first kills
-    fault_window_s: float = 15.0
+    kill_every: float = 0.08  # SIGKILL a worker each time this fraction of rows is done
+    terminate_every: float = 0.12  # terminate every worker backend at these steps
+    restart_at: float = 0.4  # the one Postgres crash-restart, at this fraction of rows done
+    faults_until: float = 0.9  # no new faults past this fraction: let the tail finish
     deadline_s: float = 300.0
     seed: int = 7
+
+    @property
+    def total_rows(self) -> int:
+        """Distinct rows: each sheet holds ``rows`` keys, shared by its runs."""
+        return min(self.sheets, self.runs) * self.rows
 
 
 @dataclass
@@ -104,7 +144,11 @@ class ChaosReport:
     extra_side_effects: int
     reexecuted_completed_steps: int
     stale_rows: int
+    stale_receipts: int
+    rows_written_after_close: int
+    rows_taken_over: int  # rows finished by another run than the one that first admitted them
     attempts: int
+    attempt_outcomes: dict[str, int]
     last_fault_to_done_s: float
     total_s: float
     problems: list[str] = field(default_factory=list)
@@ -117,6 +161,7 @@ class ChaosReport:
 def _env(url: str) -> dict[str, str]:
     env = dict(os.environ)
     env["WORKER_DATABASE_URL"] = url
+    env["TEST_SIDE_EFFECTS_URL"] = url  # the test play's own database
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("DATABASE_URL", None)
     return env
@@ -138,11 +183,16 @@ async def _submit_all(url: str, cfg: ChaosConfig) -> list[str]:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         for r in range(cfg.runs):
             rows = [(f"k{i:05d}", {"n": i}) for i in range(cfg.rows)]
+            sheet = f"shared-{r % cfg.sheets}"
             admitted = await admission.submit(
                 conn,
                 admission.Submission(
                     play="paid-rows",
-                    params={"chunk": cfg.chunk, "chunk_delay_s": cfg.chunk_delay_s},
+                    params={
+                        "chunk": cfg.chunk,
+                        "chunk_delay_s": cfg.chunk_delay_s,
+                        "sheet": sheet,
+                    },
                     release=RELEASE,
                     idempotency_key=f"chaos-{r}",
                 ),
@@ -157,15 +207,17 @@ def _query(url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
         return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
 
 
-def _unfinished(url: str) -> int:
+def _progress(url: str) -> tuple[int, int] | None:
+    """(unfinished runs, rows finished), or None while the database is away."""
     try:
         rows = _query(
             url,
-            "SELECT count(*) FROM wq_runs WHERE state NOT IN ('succeeded', 'failed', 'cancelled')",
+            "SELECT count(*) FILTER (WHERE state NOT IN ('succeeded', 'failed', 'cancelled')),"
+            " (SELECT count(*) FROM wq_sheet_rows WHERE status <> 'pending') FROM wq_runs",
         )
     except psycopg.OperationalError:
-        return -1
-    return int(rows[0][0])
+        return None
+    return int(rows[0][0]), int(rows[0][1])
 
 
 def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
@@ -209,17 +261,17 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
 
         kills = restarts = terminations = 0
         last_fault = time.monotonic()
-        fault_end = time.monotonic() + cfg.fault_window_s
-        restart_at = time.monotonic() + cfg.restart_after_s
-        next_kill = time.monotonic() + cfg.kill_every_s
-        next_term = time.monotonic() + cfg.terminate_every_s
+        total = cfg.total_rows
+        next_kill, next_term = cfg.kill_every, cfg.terminate_every / 2
         deadline = time.monotonic() + cfg.deadline_s
         while time.monotonic() < deadline:
             now = time.monotonic()
-            if _unfinished(url) == 0:
+            progress = _progress(url)
+            if progress is not None and progress[0] == 0:
                 break
-            if now < fault_end:
-                if now >= next_kill:
+            done = (progress[1] / total) if progress is not None else 0.0
+            if progress is not None and done < cfg.faults_until:
+                if done >= next_kill:
                     i = rng.randrange(len(workers))
                     workers[i].send_signal(signal.SIGKILL)
                     workers[i].wait()
@@ -227,14 +279,14 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
                     procs.append(workers[i])
                     kills += 1
                     last_fault = now
-                    next_kill = now + cfg.kill_every_s
-                if restarts == 0 and now >= restart_at:
+                    next_kill += cfg.kill_every
+                if restarts == 0 and done >= cfg.restart_at:
                     embedded.stop(home, mode="immediate")
                     embedded.ensure_running(home)
                     restarts += 1
                     last_fault = time.monotonic()
-                    echo("postgres restarted")
-                if now >= next_term:
+                    echo(f"postgres restarted at {done:.0%} of rows")
+                if done >= next_term:
                     try:
                         rows = _query(
                             url,
@@ -246,7 +298,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
                         last_fault = now
                     except psycopg.OperationalError:
                         pass
-                    next_term = now + cfg.terminate_every_s
+                    next_term += cfg.terminate_every
             # Workers that exited (a lost database makes them exit non-zero) are restarted,
             # as a supervisor would.
             for i, proc in enumerate(workers):
@@ -286,11 +338,41 @@ def _report(
     total_s: float,
 ) -> ChaosReport:
     states = dict(_query(url, "SELECT state::text, count(*) FROM wq_runs GROUP BY 1"))
+    outcomes = dict(_query(url, "SELECT outcome::text, count(*) FROM wq_attempts GROUP BY 1"))
     ((rows_done,),) = _query(url, "SELECT count(*) FROM wq_sheet_rows WHERE status = 'done'")
+    # A terminal write on a row that was already terminal: a row finished twice.
     ((one, more),) = _query(
         url,
         "SELECT count(*) FILTER (WHERE n = 1), count(*) FILTER (WHERE n > 1) FROM "
-        "(SELECT count(*) AS n FROM chaos_terminal_writes GROUP BY org, sheet, row_key) t",
+        "(SELECT count(*) AS n FROM chaos_row_writes GROUP BY org, sheet, row_key) t",
+    )
+    # Stale writes applied: a row output or a receipt written by an attempt that was not
+    # its run's live attempt in the writing transaction.
+    ((stale,),) = _query(
+        url,
+        "SELECT count(*) FROM chaos_row_writes"
+        " WHERE run_state <> 'running' OR run_attempt IS DISTINCT FROM writer_attempt"
+        "    OR old_status <> 'pending'",
+    )
+    ((stale_receipts,),) = _query(
+        url,
+        "SELECT count(*) FROM chaos_receipt_writes"
+        " WHERE run_state <> 'running' OR run_attempt IS DISTINCT FROM owner_attempt",
+    )
+    # The attempt history: no row output carries a writer attempt that had been closed
+    # before the output was written.
+    ((after_close,),) = _query(
+        url,
+        "SELECT count(*) FROM wq_sheet_rows r JOIN wq_attempts a"
+        "  ON a.run_id = r.run_id AND a.attempt = r.attempt"
+        " WHERE r.status <> 'pending' AND a.finished_at IS NOT NULL"
+        "   AND r.finished_at > a.finished_at",
+    )
+    ((taken_over,),) = _query(
+        url,
+        "SELECT count(*) FROM wq_sheet_rows r JOIN wq_write_intents i ON i.run_id = r.run_id"
+        "  AND i.sheet = r.sheet WHERE r.status = 'done' AND i.write_version > ("
+        "    SELECT min(i2.write_version) FROM wq_write_intents i2 WHERE i2.sheet = r.sheet)",
     )
     ((effects, extra),) = _query(
         url,
@@ -305,16 +387,8 @@ def _report(
         "  ON r.scope = 'run:' || s.run_id AND r.step_key = s.key "
         " WHERE r.status = 'completed' AND r.completed_at < s.at",
     )
-    # Stale writes applied: a row whose terminal write carries a version other than its
-    # run's durable write intent.
-    ((stale,),) = _query(
-        url,
-        "SELECT count(*) FROM wq_sheet_rows r JOIN wq_write_intents i "
-        "  ON i.run_id = r.run_id AND i.sheet = r.sheet "
-        " WHERE r.status <> 'pending' AND r.write_version <> i.write_version",
-    )
     ((attempts,),) = _query(url, "SELECT count(*) FROM wq_attempts")
-    expected_rows = cfg.runs * cfg.rows
+    expected_rows = cfg.total_rows
     problems = []
     if states.get("succeeded", 0) != cfg.runs:
         problems.append(f"not every run succeeded: {states}")
@@ -322,12 +396,13 @@ def _report(
         problems.append(f"{rows_done} rows done of {expected_rows}")
     if one != expected_rows or more:
         problems.append(f"terminal writes: {one} rows with one, {more} with more")
+    if stale or stale_receipts or after_close:
+        problems.append(
+            f"stale writes applied: {stale} row writes, {stale_receipts} receipts, "
+            f"{after_close} outputs written after their attempt was closed"
+        )
     if reexecuted:
         problems.append(f"{reexecuted} completed steps executed again")
-    if stale:
-        problems.append(f"{stale} stale writes applied")
-    if effects < expected_rows:
-        problems.append(f"only {effects} side effects for {expected_rows} rows")
     return ChaosReport(
         runs=len(run_ids),
         rows_per_run=cfg.rows,
@@ -342,7 +417,11 @@ def _report(
         extra_side_effects=int(extra),
         reexecuted_completed_steps=int(reexecuted),
         stale_rows=int(stale),
+        stale_receipts=int(stale_receipts),
+        rows_written_after_close=int(after_close),
+        rows_taken_over=int(taken_over),
         attempts=int(attempts),
+        attempt_outcomes={str(k): int(v) for k, v in outcomes.items()},
         last_fault_to_done_s=round(last_fault_to_done_s, 2),
         total_s=round(total_s, 2),
         problems=problems,
@@ -353,12 +432,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rows", type=int, default=500)
-    parser.add_argument("--fault-window", type=float, default=15.0)
+    parser.add_argument("--sheets", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
-    cfg = ChaosConfig(
-        runs=args.runs, rows=args.rows, fault_window_s=args.fault_window, seed=args.seed
-    )
+    cfg = ChaosConfig(runs=args.runs, rows=args.rows, sheets=args.sheets, seed=args.seed)
     report = run_chaos(cfg)
     print(json.dumps(asdict(report), indent=2))
     out = ROOT / "bench" / "results"

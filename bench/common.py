@@ -2,13 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import contextlib
+import json
 import logging
+import os
+import platform
+import shutil
+import signal
 import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+import procrastinate
 import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from worker import embedded
 
 
 class BenchError(RuntimeError):
@@ -52,6 +68,31 @@ async def server_info(admin_url: str, settings: tuple[str, ...]) -> dict[str, An
     return info
 
 
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile of ``values`` (p in 0..100)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * p / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def report_header(args: argparse.Namespace) -> dict[str, Any]:
+    """The start of a benchmark's JSON report: when, with what options, on what host."""
+    return {
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_start": os.getloadavg()[0],
+            "procrastinate": getattr(procrastinate, "__version__", None),
+        },
+    }
+
+
 def quiet_logging() -> None:
     """Warnings and errors only, as JSON on stderr, for every library in the process."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -67,3 +108,41 @@ def quiet_logging() -> None:
 def sigterm_exits(_signum: int, _frame: Any) -> None:
     """A SIGTERM handler that unwinds (so the throwaway server is stopped and removed)."""
     raise SystemExit(143)
+
+
+def run_on_throwaway_server(
+    args: argparse.Namespace,
+    body: Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Awaitable[None]],
+) -> int:
+    """A benchmark's main: a throwaway Postgres at server defaults in a fresh directory, the
+    async ``body(server, home, report)`` run against it, the server stopped and its
+    directory removed whatever happens, then the JSON report written to ``args.out``.
+    Returns the exit code (1 when the body raised :class:`BenchError`)."""
+    started = time.perf_counter()
+    quiet_logging()
+    signal.signal(signal.SIGTERM, sigterm_exits)
+    home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
+    home.chmod(0o755)
+    report = report_header(args)
+    code = 0
+    try:
+        server = embedded.ensure_running(home)
+        print(
+            f"throwaway Postgres {server.major_version} at server defaults ({home})",
+            file=sys.stderr,
+        )
+        asyncio.run(body(server, home, report))
+    except BenchError as exc:
+        report["error"] = str(exc)
+        print(f"\nbench failed: {exc}", file=sys.stderr)
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            embedded.stop(home, mode="immediate")
+        shutil.rmtree(home, ignore_errors=True)
+    report["host"]["loadavg_end"] = os.getloadavg()[0]
+    report["duration_s"] = round(time.perf_counter() - started, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nwrote {args.out} ({report['duration_s']} s)")
+    return code

@@ -14,8 +14,9 @@ goes first):
 5. pickup latency: single submits ~20 ms apart to an idle worker; the server timestamps
    of admission and start give the submit-to-start latency.
 
-Autovacuum is switched off on the throwaway server so that "cold" really means "never
-analyzed" and "analyzed" means exactly one explicit ``ANALYZE``. The submitters run in this
+The throwaway server keeps Postgres' defaults (autovacuum on): "cold" means no explicit
+``ANALYZE`` yet (autovacuum may analyze a table during a phase, as in production), and
+"analyzed" one explicit ``ANALYZE``. The submitters run in this
 process too (a few connections each), so submit+drain measures admission and execution
 sharing one machine. Each throughput phase also records the CPU time of this process and of
 the server per job: on a busy host, wall-clock ratios are noisy, CPU per job is steadier.
@@ -54,6 +55,7 @@ from bench.common import (
     connect,
     create_database,
     drop_database,
+    percentile,
     quiet_logging,
     scalar,
     server_info,
@@ -83,17 +85,6 @@ PHASES = (
     ("submit_drain_analyzed", "submit+drain, analyzed"),
     ("drain_alone_analyzed", "drain alone, analyzed"),
 )
-
-
-def percentile(values: list[float], p: float) -> float:
-    """Linear-interpolated percentile of ``values`` (p in 0..100)."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * p / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def ms_summary(seconds: list[float]) -> dict[str, float]:
@@ -231,13 +222,13 @@ class Ours(System):
     async def submit_many(self, n: int) -> None:
         async def submitter(conn: psycopg.AsyncConnection[Any], count: int) -> None:
             for _ in range(count):
-                await self.admitter.submit(conn, self._sub(), url=self.url)
+                await self.admitter.submit(conn, self._sub())
 
         shares = [n // self.submitters + (i < n % self.submitters) for i in range(self.submitters)]
         await _gather_cancelling([submitter(c, k) for c, k in zip(self.conns, shares, strict=True)])
 
     async def submit_one(self) -> Any:
-        admitted = await self.admitter.submit(self.conns[0], self._sub(), url=self.url)
+        admitted = await self.admitter.submit(self.conns[0], self._sub())
         return admitted.run_id
 
     async def done(self, conn: psycopg.AsyncConnection[Any]) -> int:
@@ -679,11 +670,8 @@ def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_bench(admin_url: str, postmaster: int, args: argparse.Namespace) -> dict[str, Any]:
-    async with await connect(admin_url) as conn:
-        # Throwaway server: "cold" must mean never analyzed, "analyzed" one explicit ANALYZE.
-        await conn.execute("ALTER SYSTEM SET autovacuum = off")
-        await conn.execute("SELECT pg_reload_conf()")
-    await asyncio.sleep(0.2)
+    # Server defaults, autovacuum on: what a user runs. "cold" means no explicit ANALYZE yet
+    # (autovacuum may analyze a table mid-phase, as it would in production).
     rounds = [await run_round(admin_url, postmaster, args, i) for i in range(args.rounds)]
     return aggregate(rounds)
 

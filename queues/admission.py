@@ -1,8 +1,10 @@
 """Admission: the atomic submit.
 
-One transaction on the caller's connection, one statement (``run_submit``): the lane check
-under a share lock, the launch row, the procrastinate job on the lane and the
-``run_created`` ledger event. procrastinate's insert trigger NOTIFYs the lane's workers.
+One statement on the caller's connection (``run_submit``, which calls the SECURITY DEFINER
+function ``wq_submit``: the only thing the admission role may execute): the lane check
+under a share lock, the launch row, the run's job on the lane (spawned through the
+transport, :mod:`queues.transport`), the input pages and the ``run_created`` ledger event.
+procrastinate's insert trigger NOTIFYs the lane's workers.
 
 Idempotency is per (org, key): the same key returns the existing run (``created=False``);
 the same key with another play or other params is an :class:`IdempotencyConflict`.
@@ -16,59 +18,80 @@ before its worker.
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
+import contextlib
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, LiteralString
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 import structlog
+from psycopg import pq
 from psycopg.types.json import Jsonb
 
-from queues import lanes, migrations
+from queues import fields, lanes, migrations, tracing
+from queues.authority import Descriptor
 from queues.errors import (
-    IdempotencyConflict,
     InvalidField,
-    LaneReclaimed,
-    PayloadTooLarge,
     UnknownPlay,
     did_you_mean,
     translate,
 )
+from queues.inputs import InputPages
+from queues.options import RunOptions
 from queues.queries import q
 
-log = structlog.get_logger("queues.admission")
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool
 
-MAX_PARAMS_BYTES = 256 * 1024
-MAX_KEY_LENGTH = 200
-MAX_ORG_LENGTH = 100
-TASK_NAME = "wq.run"
-PAGE_SIZE = 1000
+log = structlog.get_logger("queues.admission")
 
 
 @dataclass(frozen=True, slots=True)
 class Submission:
+    """What to run: a play by name, its JSON params, the release whose lane runs it, the
+    org it runs for, and an idempotency key (the same key admits one run, however often it
+    is sent; the same key with other play, params or input rows is a conflict)."""
+
     play: str
     params: Mapping[str, Any] = field(default_factory=dict)
     release: str = "dev"
     org: str = "default"
     idempotency_key: str | None = None
     priority: int = 0
+    # The run's own options (None: its lane's policy), by the rules of queues.options:
+    max_attempts: int | None = None  # failed attempts allowed
+    retry: fields.Retry | str | Mapping[str, Any] | None = None  # none, fixed:30s, ...
+    timeout: float | timedelta | str | None = None  # seconds from its first start
+    start_by: datetime | timedelta | float | str | None = None  # the claim deadline
+    meta: Mapping[str, Any] | None = None  # a small JSON object stored with the run
+
+    def options(self) -> RunOptions:
+        """The run's own options, checked (a relative ``start_by`` counts from now)."""
+        return RunOptions.checked(
+            max_attempts=self.max_attempts,
+            retry=self.retry,
+            timeout=self.timeout,
+            start_by=self.start_by,
+            meta=self.meta,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
+    """The admitted run: its id, whether this call created it (False: an earlier call with
+    the same idempotency key did), its lane and its first job."""
+
     run_id: uuid.UUID
     created: bool
     lane: str
     job_id: int | None
 
 
-def encode_params(params: Any) -> tuple[Mapping[str, Any], int]:
-    """Validate params as a JSON object within the size limit; return it and its size."""
+def encode_params(params: Any) -> str:
+    """Params as compact JSON text: a JSON object within the size and depth limits."""
     if not isinstance(params, Mapping):
         raise InvalidField(
             f"params must be a JSON object, got {type(params).__name__}",
@@ -76,28 +99,17 @@ def encode_params(params: Any) -> tuple[Mapping[str, Any], int]:
             rule='a JSON object such as {"limit": 10}',
             fix="wrap the value in an object",
         )
-    try:
-        text = json.dumps(params, allow_nan=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise InvalidField(
-            f"params are not JSON-serialisable: {exc}",
-            field="params",
-            rule="JSON values only (no NaN, no custom objects)",
-            fix="convert the value to plain JSON types",
-        ) from exc
-    size = len(text.encode("utf-8"))
-    if size > MAX_PARAMS_BYTES:
-        raise PayloadTooLarge(
-            f"params are {size} bytes; the limit is {MAX_PARAMS_BYTES} bytes",
-            field="params",
-            rule=f"at most {MAX_PARAMS_BYTES} bytes of JSON",
-            fix="pass large inputs as sheet rows (--input) instead of params",
-        )
-    return params, size
+    return fields.encode(params, field="params", max_bytes=fields.MAX_PARAMS_BYTES)
 
 
-def validate(sub: Submission, known_plays: frozenset[str] | None) -> None:
+def validate(sub: Submission, known_plays: frozenset[str] | None = None) -> None:
+    """Every field of a submission, by the one set of field rules (before any write)."""
     lanes.validate_release(sub.release)
+    fields.play_name(sub.play)
+    fields.org(sub.org)
+    fields.idempotency_key(sub.idempotency_key)
+    fields.priority(sub.priority)
+    sub.options()
     if known_plays is not None and sub.play not in known_plays:
         hint = did_you_mean(sub.play, known_plays)
         raise UnknownPlay(
@@ -108,67 +120,6 @@ def validate(sub: Submission, known_plays: frozenset[str] | None) -> None:
             rule="a play registered with @play",
             fix="register the play in the app module passed to --app, or fix the name",
         )
-    if not sub.org or len(sub.org) > MAX_ORG_LENGTH:
-        raise InvalidField(
-            "invalid org",
-            field="org",
-            rule=f"1 to {MAX_ORG_LENGTH} characters",
-            fix="pass --org with a short identifier",
-        )
-    if sub.idempotency_key is not None and not (0 < len(sub.idempotency_key) <= MAX_KEY_LENGTH):
-        raise InvalidField(
-            "invalid idempotency key",
-            field="idempotency_key",
-            rule=f"1 to {MAX_KEY_LENGTH} characters",
-            fix="use a delivery id or a request id",
-        )
-    # The params are checked (and encoded once) by submit itself, before any write.
-
-
-class _PrepareMemo:
-    """Lanes this process prepared, keyed by (database URL, schema, lane).
-
-    A failure is never remembered: the next caller prepares again and fails loudly again.
-    """
-
-    def __init__(self) -> None:
-        self._done: set[tuple[str, str, str]] = set()
-        self._lock = threading.Lock()
-
-    def __contains__(self, key: tuple[str, str, str]) -> bool:
-        return key in self._done
-
-    def add(self, key: tuple[str, str, str]) -> None:
-        with self._lock:
-            self._done.add(key)
-
-    def evict(self, key: tuple[str, str, str]) -> None:
-        with self._lock:
-            self._done.discard(key)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._done.clear()
-
-
-prepared_lanes = _PrepareMemo()
-
-
-async def ensure_lane(
-    conn: psycopg.AsyncConnection[Any], *, url: str, release: str, schema: str = "public"
-) -> None:
-    """Verify the contract and prepare the lane once per process (lazy preparation)."""
-    key = (url, schema, lanes.lane_name(release))
-    if key in prepared_lanes:
-        return
-    try:
-        await migrations.verify_contract(conn, url=url, schema=schema)
-        async with conn.transaction():
-            await lanes.prepare(conn, release)
-    except BaseException:
-        prepared_lanes.evict(key)
-        raise
-    prepared_lanes.add(key)
 
 
 async def submit(
@@ -176,86 +127,164 @@ async def submit(
     sub: Submission,
     *,
     authority: Mapping[str, Any] | None = None,
-    inputs: Sequence[tuple[str, Any]] | None = None,
+    inputs: Sequence[tuple[str, Any]] | InputPages | None = None,
 ) -> Admitted:
-    """Admit one run atomically on ``conn`` (its own transaction, or a savepoint).
+    """Admit one run atomically on ``conn``: one statement (``wq_submit``).
 
-    ``inputs`` (rows for the play's sheet) are stored in pages in the same transaction.
+    On an autocommit connection outside a transaction it is one round trip (no BEGIN or
+    COMMIT); inside the caller's transaction it runs in a savepoint, and the run exists
+    exactly when the caller commits. ``inputs`` (rows for the play's sheet) are stored in
+    pages by the same statement. The same idempotency key with another play, other params
+    or other input rows is an :class:`IdempotencyConflict`.
     """
-    lane = lanes.lane_name(sub.release)
-    params, _ = encode_params(sub.params)
+    validate(sub)
+    return await _admit(conn, sub, authority=authority, inputs=inputs)
+
+
+async def _admit(
+    conn: psycopg.AsyncConnection[Any],
+    sub: Submission,
+    *,
+    authority: Mapping[str, Any] | None,
+    inputs: Sequence[tuple[str, Any]] | InputPages | None,
+) -> Admitted:
+    """The atomic statement in a ``wq.submit`` span, whose trace context is stored with the
+    run so its attempts continue the trace (:mod:`queues.tracing`)."""
+    lane = lanes.LANE_PREFIX + sub.release
+    attributes = {"wq.play": sub.play, "wq.lane": lane, "wq.org": sub.org}
+    with tracing.span("wq.submit", attributes=attributes) as span:
+        admitted = await _admit_statement(conn, sub, authority=authority, inputs=inputs)
+        tracing.annotate(span, run_id=admitted.run_id, created=admitted.created)
+    return admitted
+
+
+async def _admit_statement(
+    conn: psycopg.AsyncConnection[Any],
+    sub: Submission,
+    *,
+    authority: Mapping[str, Any] | None,
+    inputs: Sequence[tuple[str, Any]] | InputPages | None,
+) -> Admitted:
+    """The atomic statement, for a submission already validated."""
+    lane = lanes.LANE_PREFIX + sub.release
+    params = encode_params(sub.params)
+    pages = inputs if isinstance(inputs, InputPages) else InputPages.of(inputs or ())
     run_id = uuid.uuid4()
-    async with conn.transaction():
-        cur = await _execute_translated(
-            conn,
-            q("run_submit"),
-            {
-                "id": run_id,
-                "org": sub.org,
-                "play": sub.play,
-                "params": Jsonb(params),
-                "release": sub.release,
-                "lane": lane,
-                "key": sub.idempotency_key,
-                "priority": sub.priority,
-                "authority": Jsonb(
-                    dict(authority or {})
-                    | {"org": sub.org, "play": sub.play, "release": sub.release}
-                ),
-            },
-        )
+    descriptor = Descriptor(org=sub.org, play=sub.play, run_id=run_id, release=sub.release)
+    args = {
+        "id": run_id,
+        "org": sub.org,
+        "play": sub.play,
+        "params": params,
+        "release": sub.release,
+        "lane": lane,
+        "key": sub.idempotency_key,
+        "priority": sub.priority,
+        # The run's authority descriptor: what each attempt's tokens are minted from; and
+        # the submitter's trace context, which its attempts continue.
+        "authority": Jsonb(dict(authority or {}) | descriptor.as_json() | tracing.stored_context()),
+        "pages": list(pages.pages) or None,
+        "count": pages.count,
+        "digest": pages.digest,
+    }
+    # A run with options of its own goes through wq_submit_with_options (wq_submit, then
+    # its options, in one call); one without pays nothing for them.
+    options = sub.options()
+    statement = q("run_submit")
+    if not options.empty:
+        statement = q("run_submit_options")
+        args["options"] = Jsonb(options.as_json())
+    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        cur = await _execute_translated(conn, statement, args)
         row = await cur.fetchone()
-        assert row is not None
-        lane_state, inserted_id, job_id = row
-        if lane_state != lanes.LaneState.PREPARED and sub.idempotency_key is not None:
-            # A retried request (a lost response) answers with its run even after the lane
-            # stopped taking new ones.
-            cur = await conn.execute(q("run_by_key"), {"org": sub.org, "key": sub.idempotency_key})
-            earlier = await cur.fetchone()
-            if earlier is not None:
-                return _existing(sub, params, earlier)
-        if lane_state is None or lane_state == lanes.LaneState.DRAINING:
-            raise lanes.not_prepared(sub.release, state=lane_state)
-        if lane_state == lanes.LaneState.RECLAIMED:
-            raise LaneReclaimed(
-                f"lane {lane!r} of release {sub.release!r} was reclaimed: nothing was written",
-                fix="submit with the current release, or re-prepare the lane with "
-                f"`worker queues prepare {sub.release}`",
-            )
-        if inserted_id is not None:
-            if inputs:
-                chunks = [inputs[i : i + PAGE_SIZE] for i in range(0, len(inputs), PAGE_SIZE)]
-                await conn.execute(
-                    q("run_input_insert"),
-                    {
-                        "run_id": inserted_id,
-                        "pages": list(range(len(chunks))),
-                        "rows": [Jsonb([list(pair) for pair in chunk]) for chunk in chunks],
-                        "count": len(inputs),
-                    },
-                )
-            return Admitted(run_id=inserted_id, created=True, lane=lane, job_id=job_id)
-        # The key admitted a run before (or a concurrent submit just did): same request?
-        cur = await conn.execute(q("run_by_key"), {"org": sub.org, "key": sub.idempotency_key})
-        existing = await cur.fetchone()
-    if existing is None:  # pragma: no cover - the conflict row must exist
-        raise IdempotencyConflict("idempotency key vanished during admission; retry")
-    return _existing(sub, params, existing)
+    else:
+        async with conn.transaction():  # a savepoint: a refusal leaves the caller's intact
+            cur = await _execute_translated(conn, statement, args)
+            row = await cur.fetchone()
+    assert row is not None  # the function returns one row or raises
+    run_id, created, admitted_lane, job_id = row
+    return Admitted(run_id=run_id, created=created, lane=admitted_lane, job_id=job_id)
 
 
-def _existing(sub: Submission, params: Mapping[str, Any], existing: Any) -> Admitted:
-    """The run an idempotency key admitted before, or a conflict if the request differs."""
-    existing_id, existing_play, existing_params, _state, existing_lane = existing
-    if existing_play != sub.play or existing_params != json.loads(json.dumps(params)):
-        differs = f"play {existing_play!r}" if existing_play != sub.play else "other params"
-        raise IdempotencyConflict(
-            f"idempotency key {sub.idempotency_key!r} of org {sub.org!r} already admitted run "
-            f"{existing_id} with {differs}",
-            field="idempotency_key",
-            rule="one key admits one request (same play and params)",
-            fix="use a new key for a different request",
+async def submit_many(
+    conn: psycopg.AsyncConnection[Any],
+    subs: Sequence[Submission],
+    *,
+    authority: Mapping[str, Any] | None = None,
+) -> list[Admitted]:
+    """Admit a batch of runs atomically on ``conn``: one statement (``wq_submit_many``).
+
+    Each submission is idempotent as in :func:`submit` (its key answers with the run it
+    admitted, ``created=False``; the same key twice in one batch admits one run), and the
+    answer is in the batch's order. Atomic: a refusal (a lane that does not admit, a key
+    reused for another request) writes nothing. No input rows: a run with rows is admitted
+    by :func:`submit`. At most :data:`MAX_BATCH` submissions per call.
+    """
+    if len(subs) > MAX_BATCH:
+        raise InvalidField(
+            f"{len(subs)} submissions in one batch",
+            field="runs",
+            rule=f"at most {MAX_BATCH} submissions per batch",
+            fix="split the batch",
         )
-    return Admitted(run_id=existing_id, created=False, lane=existing_lane, job_id=None)
+    for sub in subs:
+        validate(sub)
+        if not sub.options().empty:  # never silently dropped
+            raise InvalidField(
+                "a batch submission carries run options (max_attempts, retry, timeout, "
+                "start_by or meta)",
+                field="runs",
+                rule="a batch admits runs with their lane's policy",
+                fix="submit runs with options of their own one by one (submit)",
+            )
+    if not subs:
+        return []
+    with tracing.span("wq.submit_many", attributes={"wq.runs": len(subs)}):
+        return await _admit_many(conn, subs, authority=authority)
+
+
+MAX_BATCH = 10_000  # submissions per wq_submit_many statement: bounds its locks and WAL
+
+
+async def _admit_many(
+    conn: psycopg.AsyncConnection[Any],
+    subs: Sequence[Submission],
+    *,
+    authority: Mapping[str, Any] | None,
+) -> list[Admitted]:
+    """The batch statement, for submissions already validated."""
+    ids = [uuid.uuid4() for _ in subs]
+    stored = dict(authority or {}) | tracing.stored_context()
+    args = {
+        "ids": ids,
+        "orgs": [sub.org for sub in subs],
+        "plays": [sub.play for sub in subs],
+        "params": [encode_params(sub.params) for sub in subs],
+        "releases": [sub.release for sub in subs],
+        "lanes": [lanes.LANE_PREFIX + sub.release for sub in subs],
+        "keys": [sub.idempotency_key for sub in subs],
+        "priorities": [sub.priority for sub in subs],
+        "authorities": [
+            Jsonb(
+                stored
+                | Descriptor(
+                    org=sub.org, play=sub.play, run_id=run_id, release=sub.release
+                ).as_json()
+            )
+            for sub, run_id in zip(subs, ids, strict=True)
+        ],
+    }
+    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        cur = await _execute_translated(conn, q("run_submit_many"), args)
+        rows = await cur.fetchall()
+    else:
+        async with conn.transaction():  # a savepoint: a refusal leaves the caller's intact
+            cur = await _execute_translated(conn, q("run_submit_many"), args)
+            rows = await cur.fetchall()
+    return [
+        Admitted(run_id=run_id, created=created, lane=lane, job_id=job_id)
+        for run_id, created, lane, job_id in rows
+    ]
 
 
 async def _execute_translated(
@@ -271,29 +300,102 @@ async def _execute_translated(
         raise mapped from exc
 
 
+@contextlib.asynccontextmanager
+async def _connection(
+    source: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any],
+) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """The caller's connection as it is, or one taken from its pool for this block only."""
+    if isinstance(source, psycopg.AsyncConnection):
+        yield source
+    else:
+        async with source.connection() as conn:
+            yield conn
+
+
 class Admitter:
     """Per-process admission control: a bound on concurrent submits, and one log line each.
 
     Each submit records the wait it spent for a permit, how many submits were waiting when
     it arrived (the process's admission queue depth), and its phase timings, in one
     ``run_submitted`` line that names the lane.
+
+    An admitter serves one database: it remembers that the database's schema matched and
+    which lanes it prepared there (lazy preparation: once per lane, never in admission-only
+    mode), so keep one per database rather than one per call.
     """
 
-    def __init__(self, *, max_concurrent: int = 16, admission_only: bool = False) -> None:
+    def __init__(
+        self, *, max_concurrent: int = 16, admission_only: bool = False, schema: str = "public"
+    ) -> None:
         self._permits = asyncio.Semaphore(max_concurrent)
         self._waiting = 0
         self.admission_only = admission_only
+        self.schema = migrations.VerifiedSchema(schema=schema)
+        self._prepared: set[str] = set()
+
+    async def prepare_lane(self, conn: psycopg.AsyncConnection[Any], release: str) -> None:
+        """Verify the contract and prepare the lane, once per lane for this admitter.
+
+        Preparing creates a missing lane and never reopens a draining or reclaimed one: the
+        atomic submit then refuses such a lane with its own error and fix. A failure is not
+        remembered: the next submit prepares again and fails loudly again.
+        """
+        lane = lanes.lane_name(release)
+        if lane in self._prepared:
+            return
+        await self.schema.verify(conn)
+        async with conn.transaction():
+            await lanes.prepare(conn, release)
+        self._prepared.add(lane)
+
+    async def submit_many(
+        self,
+        conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any],
+        subs: Sequence[Submission],
+        *,
+        known_plays: frozenset[str] | None = None,
+        authority: Mapping[str, Any] | None = None,
+    ) -> list[Admitted]:
+        """Admit a batch in one statement (:func:`submit_many`) under one permit; lazy
+        preparation of each lane first unless admission-only. One ``runs_submitted`` line."""
+        for sub in subs:
+            validate(sub, known_plays)
+        started = time.perf_counter()
+        async with self._permits:
+            waited = time.perf_counter() - started
+            async with _connection(conn) as held:
+                if not self.admission_only:
+                    for release in sorted({sub.release for sub in subs}):
+                        await self.prepare_lane(held, release)
+                admitted = await submit_many(held, subs, authority=authority)
+        log.info(
+            "runs_submitted",
+            lanes=sorted({a.lane for a in admitted}),
+            runs=len(admitted),
+            created=sum(a.created for a in admitted),
+            admission_only=self.admission_only,
+            permit_wait_ms=round(waited * 1000, 3),
+            total_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return admitted
 
     async def submit(
         self,
-        conn: psycopg.AsyncConnection[Any],
+        conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any],
         sub: Submission,
         *,
-        url: str,
         known_plays: frozenset[str] | None = None,
         authority: Mapping[str, Any] | None = None,
-        inputs: Sequence[tuple[str, Any]] | None = None,
+        inputs: Sequence[tuple[str, Any]] | InputPages | None = None,
     ) -> Admitted:
+        """Admit ``sub`` once a permit is free.
+
+        ``conn`` is a connection, or a pool: from a pool the connection is taken only
+        once the permit is held and returned right after the statement (in admission-only
+        mode, the one ``wq_submit``), so waiting submits hold no connection, and behind
+        PgBouncer in transaction mode a submit holds a server connection for its one
+        statement only.
+        """
         validate(sub, known_plays)
         depth = self._waiting
         started = time.perf_counter()
@@ -304,14 +406,15 @@ class Admitter:
             self._waiting -= 1
         waited = time.perf_counter() - started
         try:
-            prepare_s = 0.0
-            if not self.admission_only:
-                t0 = time.perf_counter()
-                await ensure_lane(conn, url=url, release=sub.release)
-                prepare_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            admitted = await submit(conn, sub, authority=authority, inputs=inputs)
-            insert_s = time.perf_counter() - t1
+            async with _connection(conn) as held:
+                prepare_s = 0.0
+                if not self.admission_only:
+                    t0 = time.perf_counter()
+                    await self.prepare_lane(held, sub.release)
+                    prepare_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                admitted = await _admit(held, sub, authority=authority, inputs=inputs)
+                insert_s = time.perf_counter() - t1
         except Exception as exc:
             log.warning(
                 "run_submit_failed",

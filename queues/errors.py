@@ -2,7 +2,8 @@
 
 Every error carries a stable ``code`` (never reused for another meaning), a message that
 says what happened, and where it helps, the ``field``, the ``rule`` and the ``fix``.
-The CLI prints ``error[CODE]: message`` and exits 2 for :class:`InputError`, 1 otherwise.
+The CLI prints ``error[CODE]: message`` and exits with the error's :class:`ExitCode`: 2 for
+bad input (:class:`InputError`), 6 when the database is unreachable, 1 otherwise.
 
 SQL raises the same codes as custom SQLSTATEs (class ``WQ``); :func:`translate` maps a
 database error onto this tree at one boundary.
@@ -13,25 +14,36 @@ database error onto this tree at one boundary.
     ├── InputError                      bad input, caught at the edge (exit 2)
     │   ├── InvalidField                a value breaks a rule (field, rule, fix)
     │   ├── DatabaseUrlInvalid          DATABASE_URL is not a valid conninfo/URL
-    │   ├── DatabaseUnreachable         nothing answers at the configured database
+    │   ├── DatabaseUrlMissing          no database URL where the embedded one is refused
+    │   ├── AppInvalid                  an --app module that cannot be loaded
     │   ├── UnknownPlay                 a play name nobody registered
     │   ├── IdempotencyConflict         same key, other play or params
-    │   └── PayloadTooLarge             params or input over the limit
+    │   ├── PayloadTooLarge             params or input over the limit
+    │   └── LimitUnknown                a permit of a rate limit nobody defined
+    ├── DatabaseUnreachable             nothing answers at the configured database (exit 6)
+    ├── DatabaseError                   the database refused a statement for another reason
     ├── SchemaError
     │   ├── SchemaContractMismatch      the database is not at the code's schema
+    │   │   └── ProcrastinateTooOld     the installed procrastinate predates the database's
     │   └── MigrationFailed             a migration file failed to apply
     ├── LaneError
     │   ├── LaneNotPrepared             admission to a lane no worker prepared
+    │   ├── LaneDraining                admission to a lane being drained
     │   ├── LaneReclaimed               admission to a retired lane
     │   └── LaneBusy                    reclaim refused: unfinished runs
     ├── RunError
     │   ├── RunNotFound
-    │   └── RunFailed                   a waited-for run ended failed
+    │   └── RunNotRetryable             a retry of a run that did not fail or was not cancelled
     ├── FenceError                      a write of a stale attempt or version
     │   ├── StaleAttempt                the attempt no longer owns its run
     │   └── SheetSuperseded             rows now belong to a newer admission
-    ├── OperationRefused                a receiver does not know a named operation
-    │   └── WriteIntentUnavailable
+    ├── OperationRefused                a receiver does not serve a named action (400)
+    │   └── WriteIntentUnavailable      the intent admission met an older receiver
+    ├── AuthorityError                  a runtime request's credential (403)
+    │   ├── TokenInvalid                missing, forged or expired token (401)
+    │   ├── CapabilityScope             the token's capabilities do not allow the action
+    │   └── RunScope                    the request names another run
+    ├── TokenSecretMissing              no secret to sign or verify attempt tokens with
     ├── WriteVersionMismatch            caller's version disagrees with the stored intent
     └── EmbeddedPostgresError           the embedded default database failed
 """
@@ -39,18 +51,34 @@ database error onto this tree at one boundary.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
-from typing import ClassVar
+import json
+from collections.abc import Iterable, Mapping
+from enum import IntEnum
+from typing import Any, ClassVar
 
 import psycopg
 import psycopg.errors
+
+
+class ExitCode(IntEnum):
+    """Every exit status of the ``worker`` command, in one table (the README prints it)."""
+
+    OK = 0  # done; a waited-for run succeeded
+    FAILED = 1  # a waited-for run failed, or the command failed
+    BAD_INPUT = 2  # bad input or usage: nothing was written
+    CANCELLED = 3  # a waited-for run was cancelled
+    TIMED_OUT = 4  # gave up waiting (--wait --timeout): the run goes on
+    NOT_FINISHED = 5  # the run has not finished yet (`result` without --wait)
+    DATABASE_UNREACHABLE = 6  # nothing answered at the configured database
+    INTERRUPTED = 130  # Ctrl-C
 
 
 class WorkerError(Exception):
     """Base of every error the project raises on purpose."""
 
     code: ClassVar[str] = "WORKER_ERROR"
-    exit_code: ClassVar[int] = 1
+    exit_code: ClassVar[int] = ExitCode.FAILED
+    http_status: ClassVar[int] = 500  # what the runtime gateway answers with
 
     def __init__(
         self,
@@ -77,7 +105,7 @@ class WorkerError(Exception):
             parts.append(f"Fix: {self.fix}")
         return " ".join(parts)
 
-    def as_dict(self) -> dict[str, str | None]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "code": self.code,
             "message": self.message,
@@ -92,7 +120,8 @@ class WorkerError(Exception):
 
 class InputError(WorkerError):
     code = "INPUT_INVALID"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
+    http_status = 400
 
 
 class InvalidField(InputError):
@@ -103,8 +132,21 @@ class DatabaseUrlInvalid(InputError):
     code = "DATABASE_URL_INVALID"
 
 
-class DatabaseUnreachable(InputError):
+class DatabaseUrlMissing(InputError):
+    code = "DATABASE_URL_MISSING"
+
+
+class AppInvalid(InputError):
+    code = "APP_INVALID"
+
+
+class DatabaseUnreachable(WorkerError):
     code = "DATABASE_UNREACHABLE"
+    exit_code = ExitCode.DATABASE_UNREACHABLE
+
+
+class DatabaseError(WorkerError):
+    code = "DATABASE_ERROR"
 
 
 class UnknownPlay(InputError):
@@ -119,6 +161,12 @@ class PayloadTooLarge(InputError):
     code = "PAYLOAD_TOO_LARGE"
 
 
+class LimitUnknown(InputError):
+    """A play asked for a permit of a limit that is not defined (``worker limits set``)."""
+
+    code = "LIMIT_UNKNOWN"
+
+
 # ---- schema ----------------------------------------------------------------------------
 
 
@@ -128,6 +176,10 @@ class SchemaError(WorkerError):
 
 class SchemaContractMismatch(SchemaError):
     code = "SCHEMA_CONTRACT_MISMATCH"
+
+
+class ProcrastinateTooOld(SchemaContractMismatch):
+    code = "PROCRASTINATE_TOO_OLD"
 
 
 class MigrationFailed(SchemaError):
@@ -143,6 +195,10 @@ class LaneError(WorkerError):
 
 class LaneNotPrepared(LaneError):
     code = "LANE_NOT_PREPARED"
+
+
+class LaneDraining(LaneError):
+    code = "LANE_DRAINING"
 
 
 class LaneReclaimed(LaneError):
@@ -162,11 +218,14 @@ class RunError(WorkerError):
 
 class RunNotFound(RunError):
     code = "RUN_NOT_FOUND"
-    exit_code = 2
+    exit_code = ExitCode.BAD_INPUT
+    http_status = 404
 
 
-class RunFailed(RunError):
-    code = "RUN_FAILED"
+class RunNotRetryable(RunError):
+    code = "RUN_NOT_RETRYABLE"
+    exit_code = ExitCode.BAD_INPUT
+    http_status = 409
 
 
 # ---- fences ----------------------------------------------------------------------------
@@ -174,6 +233,7 @@ class RunFailed(RunError):
 
 class FenceError(WorkerError):
     code = "FENCED"
+    http_status = 409
 
 
 class StaleAttempt(FenceError):
@@ -181,19 +241,89 @@ class StaleAttempt(FenceError):
 
 
 class SheetSuperseded(FenceError):
+    """Row completions were refused: the attempt no longer owns its run, or another
+    admission owns the rows. Carries the structured facts of the refusal."""
+
     code = "SHEET_SUPERSEDED"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        fix: str | None = None,
+        sheet: str = "",
+        run_id: str = "",
+        write_version: int | None = None,
+        submitted: int = 0,
+        counts: Mapping[str, int] | None = None,
+        samples: tuple[tuple[str, str, int | None], ...] = (),
+    ) -> None:
+        self.sheet = sheet
+        self.run_id = run_id
+        self.write_version = write_version
+        self.submitted = submitted
+        self.counts = dict(counts or {})
+        self.samples = samples  # up to five (row key, reason, row's current version)
+        super().__init__(message, fix=fix)
+
+    def as_dict(self) -> dict[str, Any]:
+        return super().as_dict() | {
+            "sheet": self.sheet,
+            "run_id": self.run_id,
+            "write_version": self.write_version,
+            "submitted": self.submitted,
+            "counts": self.counts,
+            "samples": [list(sample) for sample in self.samples],
+        }
 
 
 class OperationRefused(WorkerError):
-    code = "OPERATION_UNKNOWN"
+    """A receiver that does not serve a named runtime action (on the wire:
+    ``Unsupported action: NAME``, 400)."""
+
+    code = "UNSUPPORTED_ACTION"
+    http_status = 400
 
 
 class WriteIntentUnavailable(OperationRefused):
-    code = "WRITE_INTENT_UNAVAILABLE"
+    """The stable-intent admission reached a receiver that predates it: retry after the
+    runtime rollout, never fall back to a legacy admission."""
+
+    code = "RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE"
+
+
+class AuthorityError(WorkerError):
+    code = "AUTHORITY_ERROR"
+    http_status = 403
+
+
+class TokenInvalid(AuthorityError):
+    """No token, a forged one, or an expired one (401)."""
+
+    code = "TOKEN_INVALID"
+    http_status = 401
+
+
+class CapabilityScope(AuthorityError):
+    """The credential's capabilities do not allow the action (on the wire:
+    ``Unsupported runtime action capability scope.``, 403)."""
+
+    code = "RUNTIME_CAPABILITY_SCOPE"
+
+
+class RunScope(AuthorityError):
+    """A request names a run other than the one its credential was minted for (403)."""
+
+    code = "RUNTIME_RUN_SCOPE"
+
+
+class TokenSecretMissing(WorkerError):
+    code = "TOKEN_SECRET_MISSING"
 
 
 class WriteVersionMismatch(WorkerError):
     code = "WRITE_VERSION_MISMATCH"
+    http_status = 409
 
 
 class EmbeddedPostgresError(WorkerError):
@@ -201,6 +331,40 @@ class EmbeddedPostgresError(WorkerError):
 
 
 # ---- helpers ---------------------------------------------------------------------------
+
+
+def from_wire(data: Mapping[str, Any]) -> WorkerError:
+    """The error a receiver answered with (``as_dict`` on the other side), as its class:
+    the code picks the class; an unknown code stays a plain :class:`WorkerError` with it."""
+    code = str(data.get("code") or WorkerError.code)
+    cls = _by_code().get(code, WorkerError)
+    message = str(data.get("message") or code)
+    common = {"fix": data.get("fix")}
+    if cls is SheetSuperseded:
+        return SheetSuperseded(
+            message,
+            fix=data.get("fix"),
+            sheet=str(data.get("sheet") or ""),
+            run_id=str(data.get("run_id") or ""),
+            write_version=data.get("write_version"),
+            submitted=int(data.get("submitted") or 0),
+            counts=data.get("counts") or {},
+            samples=tuple(tuple(x) for x in data.get("samples") or ()),
+        )
+    error = cls(message, field=data.get("field"), rule=data.get("rule"), **common)
+    if cls is WorkerError:
+        error.code = code  # type: ignore[misc]
+    return error
+
+
+def _by_code() -> dict[str, type[WorkerError]]:
+    found: dict[str, type[WorkerError]] = {}
+    todo: list[type[WorkerError]] = [WorkerError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.code, cls)
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def did_you_mean(value: str, choices: Iterable[str]) -> str | None:
@@ -216,15 +380,35 @@ _SCHEMA_MISSING = (
     psycopg.errors.UndefinedObject,
 )
 
-# Custom SQLSTATEs raised by our SQL (class WQ). Never reuse a code for a new meaning.
+# Custom SQLSTATEs raised by our SQL (class WQ), with DETAIL = {"field", "rule"} as JSON and
+# HINT = the fix. Never reuse a code for a new meaning: WQ004, WQ005 and WQ006 were assigned
+# once and never raised; they stay retired.
 SQLSTATE_ERRORS: dict[str, type[WorkerError]] = {
-    "WQ001": LaneNotPrepared,
-    "WQ002": LaneReclaimed,
-    "WQ003": IdempotencyConflict,
-    "WQ004": StaleAttempt,
-    "WQ005": WriteVersionMismatch,
-    "WQ006": RunNotFound,
+    "WQ001": LaneNotPrepared,  # wq_submit: the lane does not exist
+    "WQ002": LaneReclaimed,  # wq_submit: the lane was reclaimed
+    "WQ003": IdempotencyConflict,  # wq_submit_same_request: a key reused for another request
+    "WQ007": LaneDraining,  # wq_submit: the lane is draining
+    "WQ008": InvalidField,  # wq_submit_with_options: a run option this database lacks
 }
+
+
+# Connection failures: no SQLSTATE (the client lost or never had a connection), class 08
+# (connection exception), or the server shutting down or starting up.
+_CONNECTION_SQLSTATES = ("08", "57P01", "57P02", "57P03")
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database cannot be reached (as opposed to a statement the
+    database refused: an index row too large is an OperationalError too, but not this)."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith(_CONNECTION_SQLSTATES)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def translate(exc: psycopg.Error) -> WorkerError | None:
@@ -239,10 +423,17 @@ def translate(exc: psycopg.Error) -> WorkerError | None:
         )
     cls = SQLSTATE_ERRORS.get(diag.sqlstate or "")
     if cls is None:
-        if isinstance(exc, psycopg.OperationalError):
+        if connection_lost(exc):
             return DatabaseUnreachable(
-                f"the database connection failed: {str(exc).strip()}",
+                f"the database connection failed: {_first_line(exc)}",
                 fix="check that Postgres is running and DATABASE_URL points at it",
             )
         return None
-    return cls(diag.message_primary or str(exc), fix=diag.message_hint)
+    field = rule = None
+    try:
+        detail = json.loads(diag.message_detail or "{}")
+    except ValueError:
+        detail = {}
+    if isinstance(detail, dict):
+        field, rule = detail.get("field"), detail.get("rule")
+    return cls(diag.message_primary or str(exc), field=field, rule=rule, fix=diag.message_hint)

@@ -2,15 +2,21 @@
 
 A lane is named from its release (``r-<release>``) and its name reaches SQL only as a
 parameter. Preparing writes registry rows only, never DDL; it is idempotent and safe to
-race. Reclaim retires a drained lane and takes the lane row ``FOR UPDATE``, which waits for
-every in-flight admission (each holds the row ``FOR SHARE`` until it commits): so a reclaim
-can never slip between an admission's lane check and its job insert.
+race, and it never changes an existing lane's state.
+
+States mean what they say. Admitting and serving are separate: a ``draining`` or
+``reclaimed`` lane admits nothing, whoever asks, and only an operator's explicit
+:func:`reopen` opens it again (never lazy preparation, never a worker's start, never
+recovery). Workers of the release still serve the runs a closed lane holds, and recovery
+still spawns their retries and wakes there. Drain and reclaim take the lane row
+``FOR UPDATE``, which waits for every in-flight admission (each holds the row ``FOR
+SHARE`` until it commits): so neither can slip between an admission's lane check and its
+job insert.
 """
 
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -19,20 +25,30 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues.errors import InvalidField, LaneBusy, LaneNotPrepared
+from queues import fields
+from queues.errors import (
+    InvalidField,
+    LaneBusy,
+    LaneDraining,
+    LaneError,
+    LaneNotPrepared,
+    LaneReclaimed,
+)
 from queues.queries import q
 
 LANE_PREFIX = "r-"
-# procrastinate's LISTEN channel is "procrastinate_queue_v1#<lane>" and a channel name is
-# at most 63 bytes: 23 + 2 (prefix) + 38 = 63.
-RELEASE_MAX = 38
-_RELEASE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# The lane is part of its NOTIFY channel's name, so a lane name fits transport.LANE_MAX:
+# 2 (prefix) + 38 = 40 (tests/db/test_transport_seam.py checks it).
+RELEASE_MAX = fields.MAX_RELEASE
+# A worker that stopped heartbeating (without stopping) is reported stale this long; an
+# older one is history (a supervisor restarts a killed worker under a new id).
+STALE_HORIZON_S = 3600.0
 
 
 class LaneState(StrEnum):
     PREPARED = "prepared"  # accepts admissions; its workers consume it
     DRAINING = "draining"  # accepts no new runs; its workers finish what it has
-    RECLAIMED = "reclaimed"  # retired; admission fails, recovery may re-prepare
+    RECLAIMED = "reclaimed"  # retired; admission fails; historic runs are still served
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +63,12 @@ class Lane:
     retry_base_s: float
     retry_cap_s: float
     retry_jitter: float
+    max_interruptions: int
     retention_s: float
     prepared_at: datetime
     updated_at: datetime
+    run_timeout_s: float = 0.0  # runs' default timeout (0: none); a run's own overrides it
+    org_concurrency: int = 0  # running runs per org on the lane (0: no cap)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -62,62 +81,59 @@ class LaneSummary:
     release: str
     state: str
     unfinished: int
-    live_workers: int
+    live_workers: int  # heartbeat within 3 of the lane's heartbeat intervals (<= lease TTL)
+    stale_workers: int  # stopped heartbeating without stopping, within STALE_HORIZON_S
+    stale_since: datetime | None  # the latest heartbeat of a stale worker
     prepared_at: datetime
     updated_at: datetime
 
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Exponential backoff with a cap and jitter: base * 2^(attempt-1), capped, +-jitter."""
+    """Backoff with a cap and jitter, and a maximum of failed attempts. A lane's policy is
+    exponential with factor 2: base * 2^(attempt-1), capped, +-jitter. A run may carry its
+    own (:class:`~queues.fields.Retry`): ``fixed`` (base every time), another factor, or
+    ``none`` (the first failure is final)."""
 
     max_attempts: int = 5
     base_s: float = 2.0
     cap_s: float = 300.0
     jitter: float = 0.1
+    kind: str = "exponential"  # none | fixed | exponential
+    factor: float = 2.0
 
     def delay(self, attempt: int, *, rng: random.Random | None = None) -> float:
         """Seconds to wait before the attempt after ``attempt`` (1-based) failed."""
-        raw = min(self.cap_s, self.base_s * 2.0 ** max(0, attempt - 1))
+        if self.kind == "fixed":
+            raw = self.base_s
+        else:
+            raw = min(self.cap_s, self.base_s * self.factor ** max(0, attempt - 1))
         if self.jitter <= 0 or raw <= 0:
             return raw
         spread = raw * self.jitter
         return max(0.0, raw + (rng or random).uniform(-spread, spread))
 
     def exhausted(self, attempt: int) -> bool:
-        return attempt >= self.max_attempts
+        return self.kind == "none" or attempt >= self.max_attempts
 
     @classmethod
     def of(cls, row: Any) -> RetryPolicy:
-        """The policy held in a row's ``retry_*`` columns (a lane, or a row joined to one)."""
+        """The policy held in a row's ``retry_*`` columns (a lane, or a row joined to one:
+        a claim reads a run's own values over its lane's, ``retry_kind`` and
+        ``retry_factor`` are a run's only)."""
         return cls(
             max_attempts=row.retry_max_attempts or 1,
             base_s=row.retry_base_s or 0.0,
             cap_s=row.retry_cap_s or 0.0,
             jitter=row.retry_jitter or 0.0,
+            kind=getattr(row, "retry_kind", None) or "exponential",
+            factor=getattr(row, "retry_factor", None) or 2.0,
         )
 
 
-def validate_release(release: str, *, field: str = "release") -> str:
-    if not isinstance(release, str) or not release:
-        raise InvalidField(
-            "the release is empty",
-            field=field,
-            rule="a short identifier: letters, digits, '.', '_' or '-'",
-            fix="pass --release (e.g. a short git sha or v42) or set WORKER_RELEASE",
-        )
-    if len(release) > RELEASE_MAX or not _RELEASE.match(release):
-        shown = release if len(release) <= 60 else release[:57] + "..."
-        raise InvalidField(
-            f"invalid release name {shown!r}",
-            field=field,
-            rule=(
-                f"1 to {RELEASE_MAX} characters of letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
-            ),
-            fix="use a short git sha (12 characters) or a version like v42",
-        )
-    return release
+def validate_release(release: object, *, field: str = "release") -> fields.Release:
+    """The release as a checked :class:`~queues.fields.Release` (free when it is one)."""
+    return fields.Release(release, field=field)
 
 
 def lane_name(release: str) -> str:
@@ -137,8 +153,11 @@ def release_of(lane: str) -> str:
 
 
 async def prepare(conn: psycopg.AsyncConnection[Any], release: str) -> Lane:
-    """Create the lane of ``release`` or re-prepare a reclaimed one; idempotent (registry
-    rows only). A draining lane stays draining: a restarting worker must not re-open it."""
+    """Create the lane of ``release`` if it has none; idempotent (registry rows only).
+
+    An existing lane keeps its state: a draining or reclaimed lane stays closed to
+    admissions (a restarting worker still serves it). Only :func:`reopen` opens it.
+    """
     name = lane_name(release)
     async with conn.cursor(row_factory=class_row(Lane)) as cur:
         await cur.execute(q("lane_prepare"), {"name": name, "release": release})
@@ -156,9 +175,12 @@ async def get(conn: psycopg.AsyncConnection[Any], name: str) -> Lane | None:
         return await cur.fetchone()
 
 
-async def list_lanes(conn: psycopg.AsyncConnection[Any]) -> list[LaneSummary]:
+async def list_lanes(
+    conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None
+) -> list[LaneSummary]:
+    """Every lane, with its live workers (a fresh heartbeat) and its stale ones."""
     async with conn.cursor(row_factory=class_row(LaneSummary)) as cur:
-        await cur.execute(q("lane_list"))
+        await cur.execute(q("lane_list"), {"now": now, "stale_horizon_s": STALE_HORIZON_S})
         return await cur.fetchall()
 
 
@@ -173,7 +195,10 @@ async def set_policy(
     retry_base_s: float | None = None,
     retry_cap_s: float | None = None,
     retry_jitter: float | None = None,
+    max_interruptions: int | None = None,
     retention_s: float | None = None,
+    run_timeout_s: float | None = None,
+    org_concurrency: int | None = None,
 ) -> Lane:
     name = lane_name(release)
     params = {
@@ -185,7 +210,10 @@ async def set_policy(
         "retry_base_s": retry_base_s,
         "retry_cap_s": retry_cap_s,
         "retry_jitter": retry_jitter,
+        "max_interruptions": max_interruptions,
         "retention_s": retention_s,
+        "run_timeout_s": run_timeout_s,
+        "org_concurrency": org_concurrency,
     }
     try:
         async with conn.transaction(), conn.cursor(row_factory=class_row(Lane)) as cur:
@@ -203,11 +231,10 @@ async def set_policy(
     return lane
 
 
-def not_prepared(release: str, *, state: str | None = None) -> LaneNotPrepared:
+def not_prepared(release: str) -> LaneNotPrepared:
     name = LANE_PREFIX + release
-    what = "does not exist" if state is None else f"is {state}"
     return LaneNotPrepared(
-        f"lane {name!r} of release {release!r} {what}: nothing was written",
+        f"lane {name!r} of release {release!r} does not exist: nothing was written",
         fix=(
             f"start a worker of that release (`worker start --release {release}`), which "
             f"prepares its lane, or run `worker queues prepare {release}`; then retry"
@@ -215,22 +242,58 @@ def not_prepared(release: str, *, state: str | None = None) -> LaneNotPrepared:
     )
 
 
+def closed(release: str, state: str) -> LaneError:
+    """The refusal of an admission (or an adoption) to a lane that exists but is closed."""
+    name = LANE_PREFIX + release
+    reopen_fix = (
+        "submit with the current release; if this release must take new runs again, an "
+        f"operator reopens its lane with `worker queues reopen {release}`"
+    )
+    if state == LaneState.DRAINING:
+        return LaneDraining(
+            f"lane {name!r} of release {release!r} is draining (it takes no new runs while "
+            "its workers finish the ones it has): nothing was written",
+            fix=reopen_fix,
+        )
+    if state == LaneState.RECLAIMED:
+        return LaneReclaimed(
+            f"lane {name!r} of release {release!r} was reclaimed: nothing was written",
+            fix=reopen_fix,
+        )
+    return not_prepared(release)
+
+
+async def reopen(conn: psycopg.AsyncConnection[Any], release: str) -> Lane:
+    """An operator's explicit reopening of a draining or reclaimed lane to admissions."""
+    name = lane_name(release)
+    async with conn.transaction():
+        cur = await conn.execute(q("lane_lock_for_reclaim"), {"name": name})
+        if await cur.fetchone() is None:
+            raise not_prepared(release)
+        async with conn.cursor(row_factory=class_row(Lane)) as lanes_cur:
+            await lanes_cur.execute(q("lane_reopen"), {"name": name})
+            lane = await lanes_cur.fetchone()
+    assert lane is not None
+    return lane
+
+
 @dataclass(frozen=True, slots=True)
 class ReclaimReport:
     lane: str
-    unfinished: int
-    jobs_cancelled: int
+    unfinished: int  # runs left on the lane (only with force): historic, still served
     was: str
 
 
 async def reclaim(
     conn: psycopg.AsyncConnection[Any], release: str, *, force: bool = False
 ) -> ReclaimReport:
-    """Retire a lane. Refuses while it has unfinished runs unless ``force``.
+    """Retire a lane: it admits nothing until an operator reopens it. Refuses while it
+    has unfinished runs unless ``force``.
 
-    Lock order: the lane row FOR UPDATE (waits for admissions holding it FOR SHARE), then
-    the lane's todo jobs. A forced reclaim cancels the lane's waiting jobs, so no job is
-    ever left on a reclaimed lane; its runs stay unfinished for recovery to re-prepare.
+    The lane row is taken FOR UPDATE (waits for admissions holding it FOR SHARE). With
+    ``force``, the runs left on the lane stay where they are: a worker of the release
+    still serves them (their retries and wakes are spawned on the lane as before), and
+    without one the recovery pass reports them stranded until an operator adopts them.
     """
     name = lane_name(release)
     async with conn.transaction():
@@ -251,9 +314,7 @@ async def reclaim(
                 ),
             )
         await conn.execute(q("lane_set_state"), {"name": name, "state": "reclaimed"})
-        cur = await conn.execute(q("lane_cancel_waiting_jobs"), {"lane": name})
-        cancelled = len(await cur.fetchall())
-    return ReclaimReport(lane=name, unfinished=int(unfinished), jobs_cancelled=cancelled, was=state)
+    return ReclaimReport(lane=name, unfinished=int(unfinished), was=state)
 
 
 async def drain(conn: psycopg.AsyncConnection[Any], release: str) -> Lane:

@@ -39,6 +39,16 @@ class AttemptMetrics:
     failed_attempts: int
     succeeded_attempts: int
     handed_back: int
+    interrupted_attempts: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refusals:
+    """Writes of closed or superseded attempts that the fence refused, of one kind."""
+
+    kind: str  # receipt | admission | rows | emit | final
+    writes: int
+    rows: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,31 +56,11 @@ class Metrics:
     window_s: float
     lanes: list[LaneMetrics]
     attempts: AttemptMetrics
+    refusals: list[Refusals]
     stranded: list[recovery.StrandedLane]
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    def prometheus(self) -> str:
-        """The Prometheus text exposition format."""
-        lines = []
-        gauges = ("queued", "running", "sleeping", "due_jobs", "live_workers")
-        for name in gauges:
-            lines.append(f"# TYPE wq_lane_{name} gauge")
-            lines.extend(
-                f'wq_lane_{name}{{lane="{m.lane}"}} {getattr(m, name)}' for m in self.lanes
-            )
-        lines.append("# TYPE wq_lane_oldest_due_wait_seconds gauge")
-        lines.extend(
-            f'wq_lane_oldest_due_wait_seconds{{lane="{m.lane}"}} {m.oldest_due_wait_s:.3f}'
-            for m in self.lanes
-        )
-        for name, value in asdict(self.attempts).items():
-            lines.append(f"# TYPE wq_{name}_window gauge")
-            lines.append(f'wq_{name}_window{{window_s="{self.window_s:g}"}} {value}')
-        lines.append("# TYPE wq_stranded_runs gauge")
-        lines.extend(f'wq_stranded_runs{{lane="{s.lane}"}} {s.runs}' for s in self.stranded)
-        return "\n".join(lines) + "\n"
 
 
 async def collect(
@@ -87,5 +77,10 @@ async def collect(
         await cur.execute(q("metrics_attempts"), {"now": now, "window_s": window_s})
         attempts = await cur.fetchone()
     assert attempts is not None
+    async with conn.cursor(row_factory=class_row(Refusals)) as cur:
+        await cur.execute(q("metrics_refusals"), {"now": now, "window_s": window_s})
+        refusals = await cur.fetchall()
     stranded = await recovery.find_stranded(conn, now=now)
-    return Metrics(window_s=window_s, lanes=lanes, attempts=attempts, stranded=stranded)
+    return Metrics(
+        window_s=window_s, lanes=lanes, attempts=attempts, refusals=refusals, stranded=stranded
+    )

@@ -13,10 +13,15 @@ at import, so a broken file can never reach a running worker.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Literal, LiteralString, cast
+from typing import Any, Literal, LiteralString, cast
+
+import psycopg
+from psycopg import pq
 
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
 _POSITIONAL = re.compile(r"(?<!%)(?:%%)*%s")
@@ -111,3 +116,18 @@ QUERIES = load()
 def q(name: str) -> LiteralString:
     """The SQL text of a named query (read from our own files, so literal)."""
     return cast(LiteralString, QUERIES[name].sql)  # type: ignore[redundant-cast]
+
+
+def own_transaction(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """Whether a statement sent on ``conn`` now is a transaction of its own: the connection
+    is autocommit and outside any transaction, so the server commits it as it answers."""
+    return bool(conn.autocommit) and conn.info.transaction_status == pq.TransactionStatus.IDLE
+
+
+def one_statement(conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextManager[Any]:
+    """Where a write of one statement runs: as its own transaction on an idle autocommit
+    connection (one round trip; no BEGIN and COMMIT around it, so a process paused between
+    them cannot keep the rows it locked), else in a transaction of the caller's (a
+    savepoint there: a failure leaves the caller's transaction usable)."""
+    return contextlib.nullcontext() if own_transaction(conn) else conn.transaction()
+

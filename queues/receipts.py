@@ -10,9 +10,10 @@
 
 Commit the claim before calling ``fn``: the execution lock is the committed ``claimed`` row
 (owner run and attempt, lease), never a row lock held while ``fn`` runs. Every write is
-fenced twice, by the run (``wq_runs.attempt`` is still ``attempt`` and the run is running)
-and, after the claim, by the receipt's owner, so a stale attempt's write raises
-:class:`~queues.errors.StaleAttempt` and the newer write stands. A claim that another run
+fenced twice, by the attempt (:class:`~queues.fence.Fence`: the run is running, at this
+attempt, under this worker's lease) and, after the claim, by the receipt's owner, so a
+stale attempt's write raises :class:`~queues.errors.StaleAttempt` and the newer write
+stands. A claim that another run
 holds is taken over only once its lease lapses, so a long step keeps its claim alive with
 :func:`extend_leases` from the attempt's heartbeat.
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,8 +37,10 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row
 
-from queues.errors import InvalidField, RunNotFound, StaleAttempt, WorkerError
-from queues.queries import q
+from queues import fields
+from queues.errors import InvalidField
+from queues.fence import Fence, refused
+from queues.queries import own_transaction, q
 
 # PAGE_PLAN_NOTE: statements that take a page of keys as arrays run unprepared. After five
 # executions psycopg would prepare them server-side, and the generic plan Postgres then
@@ -46,16 +48,20 @@ from queues.queries import q
 # with a custom plan took 9.6 s at 21,000 rows. The page arrays of JSON values are sent
 # in binary (%(x)b), which saves most of the client's per-page escaping work.
 
-JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
+JSON: TypeAlias = fields.JSON
+
+SETTLED_MAX = 1000
+"""An attempt loads at most this many settled receipts of its run's own scope at its
+first step (:func:`settled`); past it, each of its steps claims its receipt first."""
+SETTLED_MAX_BYTES = 4 * 1024 * 1024
+"""... and at most this much of their results as stored (a result may be large)."""
 AsyncConn: TypeAlias = psycopg.AsyncConnection[Any]
 
-MAX_NAME = 200  # a step name or a scope name
-MAX_KEY = 256  # a step key: a name plus its ordinal suffix, or a row key for a page
-MAX_PAGE = 1000  # keys per complete_many / lookup_many call; callers chunk larger work
+STEP_LEASE_S = 60.0  # a step's execution lock; the attempt's heartbeat extends it
+MAX_NAME = fields.MAX_STEP_NAME
+MAX_KEY = fields.MAX_ROW_KEY
+MAX_PAGE = fields.MAX_PAGE_KEYS
 
-# A NUL escape that is not itself escaped ("\\u0000" is fine, "\u0000" is not): jsonb
-# refuses U+0000, so we refuse it first with a message that names the step.
-_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 class ReceiptStatus(StrEnum):
@@ -193,50 +199,49 @@ async def claim(
     play: str,
     scope: Scope,
     step_key: str,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     lease_s: float,
     now: datetime | None = None,
 ) -> Claim:
-    """Claim a step for (run_id, attempt), or learn why not, in one statement.
+    """Claim a step for the fenced attempt, or learn why not, in one statement.
 
     Takes a missing, failed, lapsed, or own-run-older-attempt receipt (``EXECUTE``); never
     a completed (``REPLAY``) or skipped (``SKIPPED``) one, nor another run's live claim
-    (``BUSY``). Raises :class:`StaleAttempt` if the run is no longer at ``attempt`` or not
-    running, :class:`RunNotFound` if there is no such run.
+    (``BUSY``). Raises :class:`StaleAttempt` if the fence no longer holds,
+    :class:`RunNotFound` if there is no such run.
     """
-    _check_ref(org=org, play=play, step_key=step_key, attempt=attempt)
+    _check_ref(org=org, play=play, step_key=step_key)
     _check_lease(lease_s)
     params = {
         "org": org,
         "play": play,
         "scope": scope.key,
         "step_key": step_key,
-        "run_id": run_id,
-        "attempt": attempt,
         "lease_s": float(lease_s),
         "now": now,
+        # The statement is its own transaction: a claim whose loss is harmless may then
+        # commit without waiting for its WAL flush (receipt_claim's lazy_commit says when).
+        "own_commit": own_transaction(conn),
+        **fence.params(),
     }
     async with conn.cursor(row_factory=class_row(_ClaimRow)) as cur:
         await cur.execute(q("receipt_claim"), params)
         row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
     if not row.fenced:
-        raise _refused(
+        raise refused(
+            fence,
             verb="claim",
-            run_id=run_id,
-            attempt=attempt,
             subject=f"step {step_key!r}",
             run_attempt=row.run_attempt,
             run_state=row.run_state,
-            reason=None,
         )
     if row.status == ReceiptStatus.COMPLETED:
         outcome, result, lease = ClaimOutcome.REPLAY, row.result, None
     elif row.status == ReceiptStatus.SKIPPED:
         outcome, result, lease = ClaimOutcome.SKIPPED, None, None
     elif row.status == ReceiptStatus.CLAIMED:
-        mine = row.owner_run == run_id and row.owner_attempt == attempt
+        mine = row.owner_run == fence.run_id and row.owner_attempt == fence.attempt
         outcome = ClaimOutcome.EXECUTE if mine else ClaimOutcome.BUSY
         result, lease = None, row.lease_expires_at
     else:
@@ -269,8 +274,7 @@ async def complete(
     play: str,
     scope: Scope,
     step_key: str,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     result: JSON,
     now: datetime | None = None,
 ) -> JSON:
@@ -287,8 +291,7 @@ async def complete(
         play=play,
         scope=scope,
         step_key=step_key,
-        run_id=run_id,
-        attempt=attempt,
+        fence=fence,
         result=dumped,
         error=None,
         now=now,
@@ -303,8 +306,7 @@ async def fail(
     play: str,
     scope: Scope,
     step_key: str,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     error: Mapping[str, JSON],
     now: datetime | None = None,
 ) -> None:
@@ -317,8 +319,7 @@ async def fail(
         play=play,
         scope=scope,
         step_key=step_key,
-        run_id=run_id,
-        attempt=attempt,
+        fence=fence,
         result=None,
         error=dumped,
         now=now,
@@ -332,8 +333,7 @@ async def skip(
     play: str,
     scope: Scope,
     step_key: str,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     now: datetime | None = None,
 ) -> None:
     """Record that the play chose not to execute a step it holds; it replays as skipped."""
@@ -344,8 +344,7 @@ async def skip(
         play=play,
         scope=scope,
         step_key=step_key,
-        run_id=run_id,
-        attempt=attempt,
+        fence=fence,
         result=None,
         error=None,
         now=now,
@@ -360,24 +359,22 @@ async def _finish(
     play: str,
     scope: Scope,
     step_key: str,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     result: str | None,
     error: str | None,
     now: datetime | None,
 ) -> None:
-    _check_ref(org=org, play=play, step_key=step_key, attempt=attempt)
+    _check_ref(org=org, play=play, step_key=step_key)
     params = {
         "status": status.value,
         "org": org,
         "play": play,
         "scope": scope.key,
         "step_key": step_key,
-        "run_id": run_id,
-        "attempt": attempt,
         "result": result,
         "error": error,
         "now": now,
+        **fence.params(),
     }
     async with conn.cursor(row_factory=class_row(_FinishRow)) as cur:
         await cur.execute(q("receipt_finish"), params)
@@ -385,15 +382,16 @@ async def _finish(
     assert row is not None  # the statement always returns one row
     if row.written:
         return
-    if row.status is None:
-        reason = "it holds no receipt for the step (claim it first)"
-    else:
-        reason = f"the receipt is {row.status} by run {row.owner_run} attempt {row.owner_attempt}"
     verb = {"completed": "complete", "failed": "fail", "skipped": "skip"}[status.value]
-    raise _refused(
+    fenced = row.run_attempt == fence.attempt and row.run_state == "running"
+    reason: str | None = None
+    if fenced and row.status is None:
+        reason = "it holds no receipt for the step (claim it first)"
+    elif fenced:
+        reason = f"the receipt is {row.status} by run {row.owner_run} attempt {row.owner_attempt}"
+    raise refused(
+        fence,
         verb=verb,
-        run_id=run_id,
-        attempt=attempt,
         subject=f"step {step_key!r}",
         run_attempt=row.run_attempt,
         run_state=row.run_state,
@@ -420,8 +418,7 @@ async def complete_many(
     org: str,
     play: str,
     scope: Scope,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     results: Sequence[tuple[str, JSON]],
     now: datetime | None = None,
 ) -> PageCompletion:
@@ -432,7 +429,7 @@ async def complete_many(
     lapsed, or held by this run) is completed with the caller's result. A page holds at
     most :data:`MAX_PAGE` keys, each once.
     """
-    _check_ref(org=org, play=play, step_key=None, attempt=attempt)
+    _check_ref(org=org, play=play, step_key=None)
     keys = [key for key, _ in results]
     _check_page(keys)
     if not keys:
@@ -440,31 +437,135 @@ async def complete_many(
     dumped = [
         _dump(value, what=f"the result of step {key!r}", field="results") for key, value in results
     ]
+    return await _complete_page(
+        conn,
+        org=org,
+        play=play,
+        scope=scope,
+        fence=fence,
+        keys=keys,
+        dumped=dumped,
+        now=now,
+        subject=f"a page of {len(keys)} steps (first {keys[0]!r})",
+    )
+
+
+async def _complete_page(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    fence: Fence,
+    keys: list[str],
+    dumped: list[str],
+    now: datetime | None,
+    subject: str,
+) -> PageCompletion:
     params = {
         "org": org,
         "play": play,
         "scope": scope.key,
-        "run_id": run_id,
-        "attempt": attempt,
         "keys": keys,
         "results": dumped,
         "now": now,
+        **fence.params(count=len(keys)),
     }
     async with conn.cursor(row_factory=class_row(_PageRow)) as cur:
-        await cur.execute(q("receipt_complete_many"), params, prepare=False)  # see PAGE_PLAN_NOTE
+        # A page runs unprepared (see PAGE_PLAN_NOTE); one step (record) is prepared.
+        prepare = None if len(keys) == 1 else False
+        await cur.execute(q("receipt_complete_many"), params, prepare=prepare)
         row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
     if not row.fenced:
-        raise _refused(
+        raise refused(
+            fence,
             verb="complete",
-            run_id=run_id,
-            attempt=attempt,
-            subject=f"a page of {len(keys)} steps (first {keys[0]!r})",
+            subject=subject,
             run_attempt=row.run_attempt,
             run_state=row.run_state,
-            reason=None,
         )
     return PageCompletion(completed=row.completed, already=row.already, busy=row.busy)
+
+
+async def record(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    step_key: str,
+    fence: Fence,
+    result: JSON,
+    now: datetime | None = None,
+) -> Claim:
+    """Claim-and-complete one step that ran without a claim, in one fenced statement.
+
+    For the steps of a run's own scope, whose only exclusion (other attempts of the run)
+    the run's lease already gives: the attempt learns at its first step which of them
+    settled before it (:func:`settled`), runs the others, and records each with this, one
+    durable commit per step. Returns ``EXECUTE`` with the result as stored (decoded, as a
+    replay will see it); ``REPLAY`` or ``SKIPPED`` if the step had settled after all, with
+    the recorded result; ``BUSY`` if another run holds a live claim (only a named scope).
+    """
+    _check_ref(org=org, play=play, step_key=step_key)
+    dumped = _dump(result, what=f"the result of step {step_key!r}", field="result")
+    page = await _complete_page(
+        conn,
+        org=org,
+        play=play,
+        scope=scope,
+        fence=fence,
+        keys=[step_key],
+        dumped=[dumped],
+        now=now,
+        subject=f"step {step_key!r}",
+    )
+    if page.completed:
+        return Claim(ClaimOutcome.EXECUTE, step_key, result=_load(dumped))
+    if page.busy:
+        return Claim(ClaimOutcome.BUSY, step_key)
+    found = await lookup_many(conn, org=org, play=play, scope=scope, keys=[step_key])
+    if step_key in found:
+        return Claim(ClaimOutcome.REPLAY, step_key, result=found[step_key])
+    return Claim(ClaimOutcome.SKIPPED, step_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """The settled receipts of one scope, by step key: (status, recorded result)."""
+
+    receipts: dict[str, tuple[ReceiptStatus, JSON]]
+    complete: bool  # False: more than the limit settled; the caller claims step by step
+
+
+async def settled(
+    conn: AsyncConn,
+    *,
+    org: str,
+    play: str,
+    scope: Scope,
+    limit: int = SETTLED_MAX,
+    max_bytes: int = SETTLED_MAX_BYTES,
+) -> Settled:
+    """The completed and skipped receipts of ``scope``, at most ``limit`` of them and
+    ``max_bytes`` of results as stored (no locks); past either, ``complete`` is False."""
+    _check_ref(org=org, play=play, step_key=None)
+    params = {
+        "org": org,
+        "play": play,
+        "scope": scope.key,
+        "limit": limit + 1,
+        "max_bytes": max_bytes,
+    }
+    async with conn.cursor() as cur:
+        await cur.execute(q("receipt_settled"), params)
+        rows = await cur.fetchall()
+    if len(rows) > limit or any(over for *_, over in rows):
+        return Settled({}, complete=False)
+    return Settled(
+        {key: (ReceiptStatus(status), value) for key, status, value, _ in rows}, complete=True
+    )
 
 
 async def lookup_many(
@@ -479,7 +580,7 @@ async def lookup_many(
 
     A resumed attempt calls this for a page and only works on the keys it does not return.
     """
-    _check_ref(org=org, play=play, step_key=None, attempt=None)
+    _check_ref(org=org, play=play, step_key=None)
     keys = list(keys)
     _check_page(keys)
     if not keys:
@@ -502,8 +603,7 @@ class _ExtendRow:
 async def extend_leases(
     conn: AsyncConn,
     *,
-    run_id: UUID,
-    attempt: int,
+    fence: Fence,
     lease_s: float,
     now: datetime | None = None,
 ) -> int:
@@ -512,22 +612,19 @@ async def extend_leases(
     Returns how many claims were extended. Raises :class:`StaleAttempt` when the attempt
     no longer owns its run.
     """
-    _check_ref(org=None, play=None, step_key=None, attempt=attempt)
     _check_lease(lease_s)
-    params = {"run_id": run_id, "attempt": attempt, "lease_s": float(lease_s), "now": now}
+    params = {"lease_s": float(lease_s), "now": now, **fence.params()}
     async with conn.cursor(row_factory=class_row(_ExtendRow)) as cur:
         await cur.execute(q("receipt_extend_leases"), params)
         row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
     if not row.fenced:
-        raise _refused(
+        raise refused(
+            fence,
             verb="extend the leases of",
-            run_id=run_id,
-            attempt=attempt,
             subject="its claimed steps",
             run_attempt=row.run_attempt,
             run_state=row.run_state,
-            reason=None,
         )
     return row.extended
 
@@ -546,35 +643,16 @@ async def get(
 
 
 def _check_text(field: str, value: object, max_len: int, *, fix: str) -> None:
-    if not isinstance(value, str) or not value:
-        raise InvalidField(f"{field} is {value!r}", field=field, rule="a non-empty string", fix=fix)
-    if len(value) > max_len:
-        raise InvalidField(
-            f"{field} {value[:40]!r}... is {len(value)} characters long",
-            field=field,
-            rule=f"at most {max_len} characters",
-            fix=fix,
-        )
+    fields.text(value, field=field, max_len=max_len, fix=fix)
 
 
-def _check_ref(
-    *, org: str | None, play: str | None, step_key: str | None, attempt: int | None
-) -> None:
+def _check_ref(*, org: str | None, play: str | None, step_key: str | None) -> None:
     if org is not None:
-        _check_text("org", org, MAX_NAME, fix="pass the run's org")
+        fields.org(org)
     if play is not None:
-        _check_text("play", play, MAX_NAME, fix="pass the run's play name")
+        fields.text(play, field="play", max_len=fields.MAX_PLAY, fix="pass the run's play")
     if step_key is not None:
         _check_text("step key", step_key, MAX_KEY, fix="build it with step_key(name, seen)")
-    if attempt is not None and (
-        isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1
-    ):
-        raise InvalidField(
-            f"attempt is {attempt!r}",
-            field="attempt",
-            rule="an integer >= 1",
-            fix="pass the attempt number the run was claimed with",
-        )
 
 
 def _check_lease(lease_s: float) -> None:
@@ -610,32 +688,13 @@ def _check_page(keys: list[str]) -> None:
 
 
 def _dump(value: object, *, what: str, field: str) -> str:
-    try:
-        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError) as exc:
-        raise InvalidField(
-            f"{what} is not JSON-serialisable: {exc}",
-            field=field,
-            rule="JSON values only (dict, list, str, int, finite float, bool, None)",
-            fix="return plain data, e.g. convert objects with a to_dict() or str()",
-        ) from exc
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidField(
-            f"{what} contains a lone surrogate ({exc.reason})",
-            field=field,
-            rule="strings must be valid Unicode",
-            fix="decode bytes with errors='replace' before returning them",
-        ) from exc
-    if _NUL_ESCAPE.search(text):
-        raise InvalidField(
-            f"{what} contains a NUL character",
-            field=field,
-            rule="Postgres jsonb cannot store U+0000",
-            fix="strip or replace NUL characters",
-        )
-    return text
+    return fields.encode(
+        value,
+        field=field,
+        what=what,
+        max_bytes=fields.MAX_RESULT_BYTES,
+        fix="return plain data, e.g. convert objects with a to_dict() or str()",
+    )
 
 
 def _load(text: str) -> JSON:
@@ -643,47 +702,26 @@ def _load(text: str) -> JSON:
     return loaded
 
 
-def _refused(
-    *,
-    verb: str,
-    run_id: UUID,
-    attempt: int,
-    subject: str,
-    run_attempt: int | None,
-    run_state: str | None,
-    reason: str | None,
-) -> WorkerError:
-    """The error for a fenced write: it names the run, the attempt and the step."""
-    head = f"run {run_id} attempt {attempt} cannot {verb} {subject}"
-    if run_attempt is None:
-        return RunNotFound(f"{head}: the run does not exist", fix="check the run id")
-    if run_attempt != attempt or run_state != "running":
-        reason = f"the run is now at attempt {run_attempt} ({run_state})"
-    elif reason is None:
-        reason = "a newer attempt took the run while this write waited"
-    return StaleAttempt(
-        f"{head}: {reason}",
-        fix="stop this attempt; the write of the attempt that owns the step stands",
-    )
-
-
 async def extend_for_attempts(
     conn: AsyncConn,
     *,
+    owner: str,
     leases: Sequence[tuple[UUID, int]],
     lease_s: float,
     now: datetime | None = None,
 ) -> None:
-    """Extend the step leases held by several live attempts in one statement.
+    """Extend the step leases held by several live attempts of one worker in one statement.
 
     The worker's heartbeat calls this with the (run, attempt) pairs whose run leases it
-    has just renewed, so a step longer than its lease keeps its execution lock.
+    has just renewed, so a step longer than its lease keeps its execution lock. Fenced:
+    an attempt that no longer owns its run under ``owner``'s lease extends nothing.
     """
     if not leases:
         return
     await conn.execute(
         q("receipt_extend_for_attempts"),
         {
+            "owner": owner,
             "run_ids": [run_id for run_id, _ in leases],
             "attempts": [attempt for _, attempt in leases],
             "lease_s": lease_s,

@@ -8,19 +8,29 @@ once and each rescue happens once (the lock order is drawn in ``sql/queries/reco
 1. **expired leases**: a ``running`` run whose lease lapsed has its attempt closed as
    ``lease_expired`` (a failed attempt), then is retried on a new job per its lane's
    :class:`~queues.lanes.RetryPolicy`, or failed (``LEASE_EXPIRED``) once its failed and
-   lapsed attempts spent the budget (a sleep's wake or a hand-back does not count), or
-   cancelled when cancellation was requested. The attempt number is not bumped:
-   the run leaves ``running``, which refuses the dead attempt's heartbeats and writes, and
-   the next claim bumps it.
+   lapsed attempts spent the budget (a sleep's wake, a hand-back or an interruption does
+   not count). A run whose cancel was pending gets a cleanup-only attempt (queued on a new
+   job: a worker runs its cancel hooks and writes ``cancelled``), or is cancelled once
+   the budget is spent. The attempt number is not bumped: the run leaves ``running``,
+   which refuses the dead attempt's heartbeats and writes, and the next claim bumps it.
 2. **orphans**: a ``queued`` run, a due sleeper or a woken waiter with no live job (lost,
-   aborted, failed transport, cancelled by a lane reclaim) gets a new job.
-3. **retention**: terminal runs and finished run jobs past their lane's retention go.
+   aborted, failed transport) gets a new job; a sleeper with a cancel pending is cancelled.
+3. **retention**: terminal runs and finished run jobs past their lane's retention go, and
+   emitted events and refused-write log rows past the event retention.
 4. **stranded**: lanes with unfinished runs and no live worker are reported, not touched.
+5. **claim deadlines**: runs never started by their ``start_by`` are failed
+   (``START_DEADLINE_PASSED``), whether or not a worker serves their lane
+   (:mod:`queues.options`);
+6. **children of cancelled parents** that a cancel did not reach are cancelled
+   (:mod:`queues.children`);
+7. **permits of dead attempts** (shared rate limits) are deleted (:mod:`queues.limits`).
 
-Before any job is spawned, the run's *original* lane is re-prepared when it was reclaimed
-(``lanes.prepare``: registry rows only, so this works on an admission-only host too) and
-held ``FOR SHARE`` until commit, so a reclaim cannot slip in between. A draining lane is
-left draining: its workers still consume it, and re-preparing it would undo the drain.
+Before any job is spawned, the run's *original* lane row is held ``FOR SHARE`` until
+commit (lock order: runs, then lanes in name order, then jobs). A lane row is never
+deleted, so this is all a historic run needs to be served, on any host, in admission-only
+mode too. The lane's state is left alone: a draining or reclaimed lane is served but
+never reopened to admissions (only ``worker queues reopen`` does that); without a live
+worker of its release its runs are reported stranded.
 
 ``adopt`` is the operator's explicit move of a lane's unfinished runs to a newer release;
 recovery never does it on its own.
@@ -37,8 +47,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues import lanes
-from queues.errors import InvalidField, LaneReclaimed, did_you_mean
+from queues import children, lanes, limits, options, outcomes
+from queues.errors import InvalidField, did_you_mean
 from queues.lanes import LaneState, RetryPolicy
 from queues.queries import q
 
@@ -46,7 +56,8 @@ DEFAULT_BATCH = 100
 # A lane is reported stranded once a run waited this long with no live worker for it:
 # a lane whose worker is still starting (a deploy in progress) is not stranded yet.
 DEFAULT_STRANDED_AFTER_S = 60.0
-SPAWNABLE = frozenset({LaneState.PREPARED.value, LaneState.DRAINING.value})
+# Emitted events (and the refused-write log) are kept this long, like a lane's runs.
+DEFAULT_EVENT_RETENTION_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +75,8 @@ class _Expired:
     retry_base_s: float
     retry_cap_s: float
     retry_jitter: float
+    retry_kind: str | None = None  # the run's own (queues.options), else the lane's
+    retry_factor: float | None = None
 
     @property
     def policy(self) -> RetryPolicy:
@@ -98,7 +111,7 @@ class Respawned:
 
     run_id: uuid.UUID
     lane: str
-    reason: str  # orphan | due_sleeper | woken_waiter
+    reason: str  # orphan | cleanup | due_sleeper | woken_waiter
     old_job_status: str  # none | missing | failed | cancelled | aborted | succeeded
     job_id: int
 
@@ -119,12 +132,18 @@ class StrandedLane:
 class RecoveryReport:
     expired: tuple[Rescued, ...] = ()
     respawned: tuple[Respawned, ...] = ()
-    cancelled: tuple[uuid.UUID, ...] = ()  # orphans whose cancellation was requested
-    reprepared: tuple[str, ...] = ()  # reclaimed lanes prepared again to spawn on
+    cancelled: tuple[uuid.UUID, ...] = ()  # sleepers whose cancellation was requested
+    closed_lanes: tuple[str, ...] = ()  # draining or reclaimed lanes that got jobs (served)
     deleted_runs: int = 0
     deleted_jobs: int = 0
+    deleted_events: int = 0
     stranded: tuple[StrandedLane, ...] = ()
     saturated: bool = False  # some part filled its batch: more work is waiting
+    # Never started by their claim deadline (queues.options): failed START_DEADLINE_PASSED.
+    unstarted_failed: tuple[uuid.UUID, ...] = ()
+    # Unfinished children of cancelled parents that no cancel reached (queues.children).
+    children_cancelled: tuple[uuid.UUID, ...] = ()
+    holds_swept: int = 0  # permits of attempts no longer live, deleted (queues.limits)
 
     def _count(self, state: str) -> int:
         return sum(1 for r in self.expired if r.state == state)
@@ -139,13 +158,18 @@ class RecoveryReport:
             "cancelled": self._count("cancelled") + len(self.cancelled),
             "respawned": len(self.respawned),
             "orphans": reasons.count("orphan"),
+            "cleanups": reasons.count("cleanup"),
             "due_sleepers": reasons.count("due_sleeper"),
             "woken_waiters": reasons.count("woken_waiter"),
-            "lanes_reprepared": len(self.reprepared),
+            "closed_lanes_served": len(self.closed_lanes),
             "deleted_runs": self.deleted_runs,
             "deleted_jobs": self.deleted_jobs,
+            "deleted_events": self.deleted_events,
             "stranded_lanes": len(self.stranded),
             "stranded_runs": sum(s.runs for s in self.stranded),
+            "start_deadline_failed": len(self.unstarted_failed),
+            "children_cancelled": len(self.children_cancelled),
+            "holds_swept": self.holds_swept,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -155,8 +179,10 @@ class RecoveryReport:
             "expired": [asdict(r) for r in self.expired],
             "respawned": [asdict(r) for r in self.respawned],
             "cancelled": [str(r) for r in self.cancelled],
-            "reprepared": list(self.reprepared),
+            "closed_lanes": list(self.closed_lanes),
             "stranded": [asdict(s) for s in self.stranded],
+            "unstarted_failed": [str(r) for r in self.unstarted_failed],
+            "children_cancelled": [str(r) for r in self.children_cancelled],
         }
 
 
@@ -166,6 +192,7 @@ async def run_once(
     now: datetime | None = None,
     batch: int = DEFAULT_BATCH,
     stranded_after_s: float = DEFAULT_STRANDED_AFTER_S,
+    event_retention_s: float = DEFAULT_EVENT_RETENTION_S,
     rng: random.Random | None = None,
 ) -> RecoveryReport:
     """One recovery pass; ``now`` (default: the database clock) lets tests control time."""
@@ -173,52 +200,52 @@ async def run_once(
         raise InvalidField(
             f"batch {batch} is too small", field="batch", rule="at least 1", fix="pass 100"
         )
-    expired, reprepared_a = await rescue_expired(conn, now=now, batch=batch, rng=rng)
-    respawned, cancelled, reprepared_b, orphans_seen = await respawn_orphans(
-        conn, now=now, batch=batch
+    expired, closed_a = await rescue_expired(conn, now=now, batch=batch, rng=rng)
+    respawned, cancelled, closed_b, orphans_seen = await respawn_orphans(conn, now=now, batch=batch)
+    deleted_runs, deleted_jobs, deleted_events = await apply_retention(
+        conn, now=now, batch=batch, event_retention_s=event_retention_s
     )
-    deleted_runs, deleted_jobs = await apply_retention(conn, now=now, batch=batch)
     stranded = await find_stranded(conn, now=now, after_s=stranded_after_s)
+    unstarted = await options.expire_unstarted(conn, now=now, batch=batch)
+    orphans = await children.cancel_orphans(conn, batch=batch)
+    swept = await limits.sweep(conn, now=now, batch=batch)
     return RecoveryReport(
         expired=tuple(expired),
         respawned=tuple(respawned),
         cancelled=tuple(cancelled),
-        reprepared=tuple(sorted({*reprepared_a, *reprepared_b})),
+        closed_lanes=tuple(sorted({*closed_a, *closed_b})),
         deleted_runs=deleted_runs,
         deleted_jobs=deleted_jobs,
+        deleted_events=deleted_events,
         stranded=tuple(stranded),
-        saturated=max(len(expired), orphans_seen, deleted_runs, deleted_jobs) >= batch,
+        saturated=max(
+            len(expired),
+            orphans_seen,
+            deleted_runs,
+            deleted_jobs,
+            deleted_events,
+            len(unstarted),
+            swept,
+        )
+        >= batch,
+        unstarted_failed=tuple(unstarted),
+        children_cancelled=tuple(orphans),
+        holds_swept=swept,
     )
 
 
-async def _spawnable_lanes(
-    conn: psycopg.AsyncConnection[Any], wanted: dict[str, tuple[str, str]]
-) -> tuple[set[str], list[str]]:
-    """Make the lanes a batch will spawn on ready, and hold them until commit.
-
-    ``wanted`` maps lane -> (release, state seen by the pick). One lock per lane, in name
-    order (never a share lock upgraded later, which two passes could deadlock on): a
-    reclaimed lane is re-prepared, which holds its row exclusively; any other is held FOR
-    SHARE and re-read. A lane reclaimed after the pick read it is not spawned on in this
-    pass; its runs stay orphans and the next pass re-prepares it.
-    """
-    spawnable: set[str] = set()
-    reprepared: list[str] = []
-    for name, (release, seen) in sorted(wanted.items()):
-        if seen not in SPAWNABLE:
-            try:
-                lane = await lanes.prepare(conn, release)
-            except InvalidField:
-                continue  # a release name this code no longer accepts: report, never spawn
-            if lane.name == name:
-                spawnable.add(name)
-                reprepared.append(name)
-            continue
+async def _hold_lanes(conn: psycopg.AsyncConnection[Any], names: set[str]) -> list[str]:
+    """Hold the lanes a batch will spawn on FOR SHARE until commit, in name order (the lock
+    order), so a drain or reclaim waits for the spawn; returns those that are closed to
+    admissions (draining, reclaimed): served all the same, and never reopened here."""
+    closed: list[str] = []
+    for name in sorted(names):
         cur = await conn.execute(q("recovery_lane_share"), {"name": name})
         row = await cur.fetchone()
-        if row is not None and row[1] in SPAWNABLE:
-            spawnable.add(name)
-    return spawnable, reprepared
+        assert row is not None  # a run's lane row is never deleted (foreign key)
+        if row[1] != LaneState.PREPARED:
+            closed.append(name)
+    return closed
 
 
 async def rescue_expired(
@@ -235,23 +262,18 @@ async def rescue_expired(
             picked = await cur.fetchall()
         if not picked:
             return [], []
-        states: list[str] = []
-        delays: list[float] = []
-        for row in picked:
-            if row.cancel_requested:
-                states.append("cancelled")
-            elif row.policy.exhausted(row.failures):
-                states.append("failed")
-            else:
-                states.append("queued")
-            queued = states[-1] == "queued"
-            delays.append(row.policy.delay(row.failures, rng=rng) if queued else 0.0)
-        wanted = {
-            row.lane: (row.release, row.lane_state)
-            for row, state in zip(picked, states, strict=True)
-            if state == "queued"
-        }
-        spawnable, reprepared = await _spawnable_lanes(conn, wanted)
+        lapses = [
+            outcomes.after_lapse(
+                row.policy, failures=row.failures, cancel_requested=row.cancel_requested, rng=rng
+            )
+            for row in picked
+        ]
+        states = [str(lapse.state) for lapse in lapses]
+        delays = [lapse.delay_s for lapse in lapses]
+        closed = await _hold_lanes(
+            conn,
+            {row.lane for row, state in zip(picked, states, strict=True) if state == "queued"},
+        )
         async with conn.cursor(row_factory=class_row(Rescued)) as cur:
             await cur.execute(
                 q("recovery_expired_apply"),
@@ -260,15 +282,12 @@ async def rescue_expired(
                     "run_ids": [row.run_id for row in picked],
                     "attempts": [row.attempt for row in picked],
                     "states": states,
-                    "spawn": [
-                        state == "queued" and row.lane in spawnable
-                        for row, state in zip(picked, states, strict=True)
-                    ],
+                    "spawn": [state == "queued" for state in states],
                     "delays": delays,
                 },
             )
             rescued = await cur.fetchall()
-    return rescued, reprepared
+    return rescued, closed
 
 
 async def respawn_orphans(
@@ -276,7 +295,7 @@ async def respawn_orphans(
 ) -> tuple[list[Respawned], list[uuid.UUID], list[str], int]:
     """Part 2: give waiting runs with no live job a new one (one batch).
 
-    Returns (respawned, cancelled, lanes re-prepared, runs picked).
+    Returns (respawned, cancelled, closed lanes served, runs picked).
     """
     async with conn.transaction():
         async with conn.cursor(row_factory=class_row(_Orphan)) as cur:
@@ -284,37 +303,49 @@ async def respawn_orphans(
             picked = await cur.fetchall()
         if not picked:
             return [], [], [], 0
-        to_cancel = [row.run_id for row in picked if row.cancel_requested]
+        to_cancel = [
+            row.run_id for row in picked if row.cancel_requested and row.state == "sleeping"
+        ]
         cancelled: list[uuid.UUID] = []
         if to_cancel:
             cur2 = await conn.execute(
                 q("recovery_cancel_orphans"), {"now": now, "run_ids": to_cancel}
             )
             cancelled = [row[0] for row in await cur2.fetchall()]
-        live = [row for row in picked if not row.cancel_requested]
-        spawnable, reprepared = await _spawnable_lanes(
-            conn, {row.lane: (row.release, row.lane_state) for row in live}
-        )
+        live = [row for row in picked if row.run_id not in to_cancel]
+        closed = await _hold_lanes(conn, {row.lane for row in live})
         respawned: list[Respawned] = []
-        ids = [row.run_id for row in live if row.lane in spawnable]
+        ids = [row.run_id for row in live]
         if ids:
             async with conn.cursor(row_factory=class_row(Respawned)) as cur:
                 await cur.execute(q("recovery_respawn_apply"), {"now": now, "run_ids": ids})
                 respawned = await cur.fetchall()
-    return respawned, cancelled, reprepared, len(picked)
+    return respawned, cancelled, closed, len(picked)
 
 
 async def apply_retention(
-    conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None, batch: int = DEFAULT_BATCH
-) -> tuple[int, int]:
-    """Part 3: delete one batch of expired terminal runs, then one of finished run jobs."""
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    now: datetime | None = None,
+    batch: int = DEFAULT_BATCH,
+    event_retention_s: float = DEFAULT_EVENT_RETENTION_S,
+) -> tuple[int, int, int]:
+    """Part 3: delete one batch each of expired terminal runs, finished run jobs, and
+    emitted events (with refused-write log rows) past the event retention."""
     async with conn.transaction():
         cur = await conn.execute(q("recovery_retention_runs"), {"now": now, "batch": batch})
         runs_deleted = len(await cur.fetchall())
     async with conn.transaction():
         cur = await conn.execute(q("recovery_retention_jobs"), {"now": now, "batch": batch})
         jobs_deleted = len(await cur.fetchall())
-    return runs_deleted, jobs_deleted
+    async with conn.transaction():
+        cur = await conn.execute(
+            q("recovery_retention_events"),
+            {"now": now, "batch": batch, "retention_s": event_retention_s},
+        )
+        row = await cur.fetchone()
+    assert row is not None
+    return runs_deleted, jobs_deleted, int(row[0])
 
 
 async def find_stranded(
@@ -388,11 +419,5 @@ async def adopt(conn: psycopg.AsyncConnection[Any], *, from_release: str, to_rel
 
 
 def _check_target(state: str, release: str) -> None:
-    if state == LaneState.RECLAIMED:
-        raise LaneReclaimed(
-            f"lane {lanes.lane_name(release)!r} of release {release!r} was reclaimed: "
-            "nothing was moved",
-            fix=f"adopt into the current release, or `worker queues prepare {release}` first",
-        )
     if state != LaneState.PREPARED:
-        raise lanes.not_prepared(release, state=state)
+        raise lanes.closed(release, state)

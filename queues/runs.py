@@ -1,9 +1,14 @@
 """Runs and attempts: claim, lease, fenced finish, cancel, events and observation reads.
 
-Every write an attempt makes carries its attempt number. ``finish`` only applies where
-the run still has that attempt, is ``running`` and leased by this worker; anything else is
-stale and comes back refused, never applied. A delivery for a run that is terminal,
-cancelled, leased or no longer pointing at that job is acknowledged and dropped.
+Every write an attempt makes carries its fence (:mod:`queues.fence`). ``finish`` only
+applies where the run still has that attempt, is ``running`` and leased by this worker;
+anything else is stale and comes back refused, never applied. Cancel is final: while a
+cancel is pending, only a ``cancelled`` outcome is applied (after the cleanup hooks ran).
+A delivery for a run that is terminal, leased or no longer pointing at that job is
+acknowledged and dropped.
+
+What an attempt's end does to its run (retry, fail, interrupted, cancel) is decided in
+:mod:`queues.outcomes`, next to the same rule for lapsed leases.
 """
 
 from __future__ import annotations
@@ -12,42 +17,19 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
 from typing import Any
 
 import psycopg
 from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
+from queues import fields, transport
+from queues.authority import Descriptor
 from queues.errors import RunNotFound
+from queues.fence import Fence, refused
 from queues.lanes import RetryPolicy
-from queues.queries import q
-
-
-class RunState(StrEnum):
-    QUEUED = "queued"  # admitted, waiting for a worker or for its retry time
-    RUNNING = "running"  # leased by a live attempt
-    SLEEPING = "sleeping"  # suspended durably; re-spawned when due or woken
-    SUCCEEDED = "succeeded"  # terminal: the play returned
-    FAILED = "failed"  # terminal: retries exhausted
-    CANCELLED = "cancelled"  # terminal: cancelled
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
-
-
-class Outcome(StrEnum):
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # the play raised
-    LEASE_EXPIRED = "lease_expired"  # the lease lapsed; counts against retries
-    SUPERSEDED = "superseded"  # a newer attempt owns the run
-    CANCELLED = "cancelled"
-    HANDED_BACK = "handed_back"  # graceful shutdown returned the run
-    SUSPENDED = "suspended"  # sleep or event wait
+from queues.outcomes import Finish, FinishStatus, RunState
+from queues.queries import one_statement, own_transaction, q
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,17 +45,50 @@ class Claimed:
     job_id: int
     lease_expires_at: datetime | None
     wake_payload: Any
+    created_at: datetime | None
+    authority: dict[str, Any] | None  # the run's authority descriptor (admission's)
+    cleanup: bool | None  # a cleanup-only attempt: run the cancel hooks, write cancelled
     lease_ttl_s: float | None
     heartbeat_s: float | None
     retry_max_attempts: int | None
     retry_base_s: float | None
     retry_cap_s: float | None
     retry_jitter: float | None
+    max_interruptions: int | None
     failures: int | None  # failed attempts before this one (sleeps, hand-backs excluded)
+    interruptions: int | None  # interrupted attempts before this one
+    # The run's own options (queues.options); the retry_* columns above are already the
+    # run's values over its lane's.
+    retry_kind: str | None = None  # none | fixed | exponential (None: the lane's, exponential)
+    retry_factor: float | None = None
+    timeout_at: datetime | None = None  # the run's deadline: first start + its timeout
+    meta: dict[str, Any] | None = None
 
     @property
     def retry(self) -> RetryPolicy:
         return RetryPolicy.of(self)
+
+    @property
+    def claimed_at(self) -> datetime | None:
+        """The database's time of this claim (its lease was granted for the TTL from it)."""
+        if self.lease_expires_at is None or self.lease_ttl_s is None:
+            return None
+        return self.lease_expires_at - timedelta(seconds=self.lease_ttl_s)
+
+    def fence(self, owner: str) -> Fence:
+        """This attempt's fence, for every write it makes."""
+        assert self.claimed and self.attempt is not None
+        return Fence(self.run_id, self.attempt, owner)
+
+    @property
+    def descriptor(self) -> Descriptor:
+        """The run's authority descriptor (what its attempt tokens are minted from)."""
+        assert self.claimed and self.org and self.play and self.release
+        stored = self.authority or {}
+        return Descriptor.from_json(
+            self.run_id,
+            {"org": self.org, "play": self.play, "release": self.release} | stored,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +132,11 @@ class Run:
 class Event:
     id: int
     run_id: uuid.UUID
+    seq: int  # the run's own sequence: 1, 2, 3, ... gapless, in commit order
     attempt: int | None
     kind: str
     data: dict[str, Any]
+    idempotency_key: str | None
     at: datetime
 
 
@@ -134,88 +151,6 @@ class Attempt:
     finished_at: datetime | None
 
 
-@dataclass(frozen=True, slots=True)
-class Finish:
-    """The final write of one attempt: the run's next state and what to spawn."""
-
-    run_id: uuid.UUID
-    attempt: int
-    state: RunState
-    outcome: Outcome
-    kind: str  # the ledger event
-    result: Any = None
-    error: dict[str, Any] | None = None
-    spawn: bool = False
-    spawn_at: datetime | None = None
-    wait_event: str | None = None
-
-
-def succeeded(run_id: uuid.UUID, attempt: int, result: Any) -> Finish:
-    return Finish(run_id, attempt, RunState.SUCCEEDED, Outcome.SUCCEEDED, "run_succeeded", result)
-
-
-def failed(
-    run_id: uuid.UUID,
-    attempt: int,
-    error: dict[str, Any],
-    policy: RetryPolicy,
-    *,
-    now: datetime,
-    failure: int,
-    retryable: bool = True,
-) -> Finish:
-    """A failed attempt: retry per policy (exponential backoff, cap, jitter) or fail.
-
-    ``failure`` is this failure's number (1 for the first): sleeps and hand-backs are
-    attempts too, but they do not spend the retry budget.
-    """
-    if retryable and not policy.exhausted(failure):
-        at = now + timedelta(seconds=policy.delay(failure))
-        return Finish(
-            run_id,
-            attempt,
-            RunState.QUEUED,
-            Outcome.FAILED,
-            "retry_scheduled",
-            error=error,
-            spawn=True,
-            spawn_at=at,
-        )
-    return Finish(run_id, attempt, RunState.FAILED, Outcome.FAILED, "run_failed", error=error)
-
-
-def cancelled(run_id: uuid.UUID, attempt: int, reason: str | None) -> Finish:
-    return Finish(
-        run_id,
-        attempt,
-        RunState.CANCELLED,
-        Outcome.CANCELLED,
-        "run_cancelled",
-        error={"type": "Cancelled", "message": reason or "cancelled"},
-    )
-
-
-def handed_back(run_id: uuid.UUID, attempt: int) -> Finish:
-    return Finish(
-        run_id, attempt, RunState.QUEUED, Outcome.HANDED_BACK, "run_handed_back", spawn=True
-    )
-
-
-def suspended(
-    run_id: uuid.UUID, attempt: int, *, wake_at: datetime | None, wait_event: str | None
-) -> Finish:
-    return Finish(
-        run_id,
-        attempt,
-        RunState.SLEEPING,
-        Outcome.SUSPENDED,
-        "run_waiting" if wait_event else "run_sleeping",
-        spawn=wake_at is not None,
-        spawn_at=wake_at,
-        wait_event=wait_event,
-    )
-
-
 async def claim(
     conn: psycopg.AsyncConnection[Any],
     *,
@@ -228,25 +163,45 @@ async def claim(
 ) -> list[Claimed]:
     """Claim up to ``limit`` due jobs of ``lanes``; each claimed run gets a new attempt.
 
-    Dropped deliveries (claimed=False) are acknowledged in the same transaction.
+    On a connection of its own (autocommit, idle: a worker's) the claim is one statement,
+    one round trip, and commits without waiting for its WAL flush (``run_claim_batch``'s
+    ``lazy``): its loss in a crash is harmless. WAL is written in order, so the first
+    durable commit after it (the attempt's heartbeat, a step's record, its final write, a
+    projector's delivery of its events) flushes the claim too: a claim can only be lost
+    together with everything that followed it and was not durable. What is lost then is
+    the attempt itself: the run is back at its previous attempt number with its job
+    waiting, so every write of the lost attempt fails the fence and is refused, and the
+    run is claimed again at once (no lease to wait for). Nobody outside the database
+    learned of the lost claim from a durable write. What runs again is what runs again
+    after any crash: code outside steps (at least once by design); completed steps replay.
+
+    Dropped deliveries (claimed=False) are settled by a second statement: acknowledged, or
+    sent back to their lane when their run turned out to be waiting for them (the claim's
+    snapshot could not see it yet). A worker that dies between the two leaves such a run
+    waiting for a delivered job; recovery gives it a new one (migration 0022), and the old
+    one is dropped as a duplicate if it ever comes back. Inside a caller's transaction both
+    statements are part of it, and nothing commits lazily.
     """
-    async with conn.transaction():
+    own = own_transaction(conn)
+    params = {
+        "lanes": list(lanes),
+        "limit": limit,
+        "plays": list(plays),
+        "worker": worker_id,
+        "procrastinate_worker": procrastinate_worker,
+        "now": now,
+        "lazy": own,
+    }
+    async with one_statement(conn):
         async with conn.cursor(row_factory=class_row(Claimed)) as cur:
-            await cur.execute(
-                q("run_claim_batch"),
-                {
-                    "lanes": list(lanes),
-                    "limit": limit,
-                    "plays": list(plays),
-                    "worker": worker_id,
-                    "procrastinate_worker": procrastinate_worker,
-                    "now": now,
-                },
-            )
+            await cur.execute(q("run_claim_batch"), params)
             rows = await cur.fetchall()
-        dropped = [r.job_id for r in rows if not r.claimed]
+        dropped = [r for r in rows if not r.claimed]
         if dropped:
-            await conn.execute(q("job_drop"), {"job_ids": dropped})
+            await conn.execute(
+                q("job_drop"),
+                {"job_ids": [r.job_id for r in dropped], "run_ids": [r.run_id for r in dropped]},
+            )
     return rows
 
 
@@ -265,10 +220,19 @@ async def heartbeat(
     leases: Sequence[tuple[uuid.UUID, int]],
     now: datetime | None = None,
 ) -> list[Renewed]:
-    """Renew the leases of live attempts; a lease missing from the answer is lost."""
+    """Renew the leases of live attempts; a lease missing from the answer is lost.
+
+    One statement and no transaction of its own: on the heartbeat's autocommit connection
+    the server commits the renewal before it answers. A worker can be paused anywhere
+    (SIGSTOP, a frozen VM, a descheduled thread); paused between its renewal and a COMMIT
+    of its own, it kept its runs' rows locked, and recovery, which picks lapsed leases
+    ``FOR UPDATE SKIP LOCKED``, skipped them for as long as it stayed paused
+    (``tests/integration/test_paused_heartbeat.py``). Inside a caller's transaction it
+    is part of that transaction.
+    """
     if not leases:
         return []
-    async with conn.transaction(), conn.cursor(row_factory=class_row(Renewed)) as cur:
+    async with conn.cursor(row_factory=class_row(Renewed)) as cur:
         await cur.execute(
             q("run_heartbeat"),
             {
@@ -283,15 +247,17 @@ async def heartbeat(
 
 async def finish(
     conn: psycopg.AsyncConnection[Any], *, worker_id: str, finishes: Sequence[Finish]
-) -> set[tuple[uuid.UUID, int]]:
-    """Write a batch of final outcomes, fenced; returns the (run, attempt) pairs applied.
+) -> dict[tuple[uuid.UUID, int], FinishStatus]:
+    """Write a batch of final outcomes, fenced, in one statement; the status of each.
 
-    A pair missing from the answer was stale (a newer attempt owns the run, or its lease
-    was rescued): nothing of it was written but its attempt row's ``superseded`` mark.
+    ``refused``: stale (a newer attempt owns the run, or its lease was rescued): nothing
+    was written but the refusal and its attempt row's ``superseded`` mark.
+    ``cancel_pending``: a cancel is pending and the outcome is not ``cancelled``: nothing
+    was written. ``replayed``: an earlier copy of this write was applied (a lost reply).
     """
     if not finishes:
-        return set()
-    async with conn.transaction():
+        return {}
+    async with one_statement(conn):
         cur = await conn.execute(
             q("run_finish_batch"),
             {
@@ -308,18 +274,7 @@ async def finish(
                 "kinds": [f.kind for f in finishes],
             },
         )
-        applied = {(row[0], row[1]) for row in await cur.fetchall()}
-        for f in finishes:
-            if (f.run_id, f.attempt) not in applied:
-                await mark_superseded(conn, f.run_id, f.attempt)
-    return applied
-
-
-async def mark_superseded(
-    conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, attempt: int
-) -> None:
-    """Record on its attempt row that a stale attempt's write was refused."""
-    await conn.execute(q("run_attempt_superseded"), {"run_id": run_id, "attempt": attempt})
+        return {(row[0], row[1]): FinishStatus(row[2]) for row in await cur.fetchall()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,11 +288,23 @@ class CancelResult:
 
 
 async def cancel(
-    conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, *, reason: str | None = None
+    conn: psycopg.AsyncConnection[Any],
+    run_id: uuid.UUID,
+    *,
+    reason: str | None = None,
+    force: bool = False,
+    actor: str | None = None,
 ) -> CancelResult:
-    """Request cancellation in one transaction; idempotent; a finished run is unchanged."""
-    async with conn.transaction():
-        cur = await conn.execute(q("run_cancel"), {"run_id": run_id, "reason": reason})
+    """Cancel a run in one transaction; idempotent; a finished run is unchanged.
+
+    A queued or sleeping run is cancelled at once; a running attempt is asked (durably and
+    by NOTIFY) and writes ``cancelled`` after its cleanup hooks. ``force`` cancels at once
+    in any unfinished state, skipping the cleanup hooks.
+    """
+    async with one_statement(conn):
+        cur = await conn.execute(
+            q("run_cancel"), {"run_id": run_id, "reason": reason, "force": force, "actor": actor}
+        )
         row = await cur.fetchone()
     assert row is not None
     before, after, jobs_cancelled, notified = row
@@ -377,6 +344,7 @@ async def list_runs(
 async def events(
     conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, *, after: int = 0
 ) -> list[Event]:
+    """The run's ledger after seq ``after``, in seq order."""
     async with conn.cursor(row_factory=class_row(Event)) as cur:
         await cur.execute(q("run_events"), {"run_id": run_id, "after": after})
         return await cur.fetchall()
@@ -390,44 +358,75 @@ async def attempts(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> lis
 
 @dataclass(frozen=True, slots=True)
 class Emitted:
-    first: bool
-    woken: int
+    woken: int  # runs of the org waiting for the event, now re-spawned
 
 
-async def emit(conn: psycopg.AsyncConnection[Any], name: str, payload: Any = None) -> Emitted:
-    """Emit an event: the first emit of a name wins; waiting runs are re-spawned."""
+async def emit(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    org: str,
+    name: str,
+    payload: Any = None,
+    fence: Fence | None = None,
+) -> Emitted:
+    """Emit an org's event: the latest emit of a name is kept; the org's waiting runs are
+    re-spawned. From a play, pass its ``fence``: a stale attempt's emit is refused
+    (:class:`~queues.errors.StaleAttempt`) and changes nothing. The org, the name and the
+    payload are checked by the field rules first (every entry point goes through here)."""
+    fields.org(org)
+    fields.event_name(name)
+    fields.encode(payload, field="payload", max_bytes=fields.MAX_PAYLOAD_BYTES)
+    params = {"org": org, "name": name, "payload": Jsonb(payload)}
+    params |= fence.params() if fence else {"run_id": None, "attempt": None, "owner": None}
     async with conn.transaction():
-        await conn.execute(q("event_lock"), {"name": name})
-        cur = await conn.execute(q("event_emit"), {"name": name, "payload": Jsonb(payload)})
+        await conn.execute(q("event_lock"), {"org": org, "name": name})
+        cur = await conn.execute(q("event_emit"), params)
         row = await cur.fetchone()
     assert row is not None
-    return Emitted(first=bool(row[0]), woken=int(row[1]))
+    fenced, woken, run_attempt, run_state = row
+    if fence is not None and not fenced:
+        raise refused(
+            fence,
+            verb="emit",
+            subject=f"event {name!r}",
+            run_attempt=run_attempt,
+            run_state=run_state,
+        )
+    return Emitted(woken=int(woken))
 
 
-async def emitted_payload(conn: psycopg.AsyncConnection[Any], name: str) -> tuple[bool, Any]:
-    """(emitted, payload) of an event name."""
-    cur = await conn.execute(q("event_get"), {"name": name})
+async def emitted_payload(
+    conn: psycopg.AsyncConnection[Any], *, org: str, name: str, since: datetime
+) -> tuple[bool, Any]:
+    """(emitted, payload) of the latest emit of an org's event at or after ``since``."""
+    cur = await conn.execute(q("event_get"), {"org": org, "name": name, "since": since})
     row = await cur.fetchone()
     return (False, None) if row is None else (True, row[0])
 
 
 async def suspend_for_event(
-    conn: psycopg.AsyncConnection[Any], *, worker_id: str, finish_: Finish, event: str
-) -> tuple[bool, bool]:
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    worker_id: str,
+    finish_: Finish,
+    org: str,
+    event: str,
+    since: datetime,
+) -> tuple[bool, FinishStatus | None]:
     """Suspend a run on an event unless it was emitted meanwhile; no lost wake-up.
 
     Takes the event's advisory lock (the same one ``emit`` takes), then, in a new
     statement that sees every committed emit, either finds the event (returns
-    ``(True, False)``, nothing written) or writes the suspension, fenced: ``(False,
-    applied)``.
+    ``(True, None)``, nothing written) or writes the suspension, fenced: ``(False,
+    status)``.
     """
     async with conn.transaction():
-        await conn.execute(q("event_lock"), {"name": event})
-        found, _payload = await emitted_payload(conn, event)
+        await conn.execute(q("event_lock"), {"org": org, "name": event})
+        found, _payload = await emitted_payload(conn, org=org, name=event, since=since)
         if found:
-            return True, False
-        applied = await finish(conn, worker_id=worker_id, finishes=[finish_])
-    return False, (finish_.run_id, finish_.attempt) in applied
+            return True, None
+        statuses = await finish(conn, worker_id=worker_id, finishes=[finish_])
+    return False, statuses[(finish_.run_id, finish_.attempt)]
 
 
 async def register_worker(
@@ -439,12 +438,9 @@ async def register_worker(
     host: str,
     pid: int,
 ) -> int:
-    """Register the worker here and in procrastinate's worker table; returns the latter's id."""
+    """Register the worker here and with the transport; returns the transport's worker id."""
     async with conn.transaction():
-        cur = await conn.execute("SELECT procrastinate_register_worker_v1()")
-        row = await cur.fetchone()
-        assert row is not None
-        procrastinate_id = int(row[0])
+        procrastinate_id = await transport.register_worker(conn)
         await conn.execute(
             q("worker_register"),
             {
@@ -460,8 +456,8 @@ async def register_worker(
 
 
 async def worker_heartbeat(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
-    async with conn.transaction():
-        await conn.execute(q("worker_heartbeat"), {"id": worker_id})
+    """Mark the worker alive: one statement, committed by the server (see heartbeat)."""
+    await conn.execute(q("worker_heartbeat"), {"id": worker_id})
 
 
 async def worker_stopped(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:

@@ -3,37 +3,46 @@
 A play admits its input rows to a sheet in pages. Each admission resolves a **write
 version**, the fencing token it stamps on the rows it owns:
 
-- *legacy* admission mints a fresh version on every call, so a retried page or a wake
-  re-admits the run's pending rows under a newer version;
+- *legacy* admission mints a fresh version when an attempt starts or resumes (its first
+  page; the caller passes that version back for the attempt's later pages, so an attempt
+  never supersedes its own earlier pages), and a wake re-admits the run's pending rows
+  under a newer version;
 - *stable write intent* stores the run's first version on the sheet durably
   (``wq_write_intents``, keyed by run and sheet) in the same transaction as its rows, and
   every later page, retry, wake or recovery of that run reuses it, even with no local
   state. A new run admits a newer intent and takes over the pending rows.
 
-Completing rows writes terminal outputs only where the row still carries the writer's
-version and is pending; every other row is reported stale with a :class:`StaleReason`.
-Lock order and statement bounds are documented in ``sql/queries/sheets.sql``.
+Every statement is fenced by the writer's attempt (:class:`~queues.fence.Fence`): a stale
+attempt admits and completes nothing. Completing rows writes terminal outputs only where
+the attempt fence holds, the row still carries the writer's version and is pending; every
+other row is reported stale with a :class:`StaleReason`. Lock order and statement bounds
+are documented in ``sql/queries/sheets.sql``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NamedTuple, TypeAlias
 from uuid import UUID
 
 import psycopg
+import psycopg.errors
 from psycopg.types.json import Jsonb
 
+from queues import fields
 from queues.errors import (
     InvalidField,
     PayloadTooLarge,
     RunNotFound,
     SheetSuperseded,
+    WorkerError,
     WriteVersionMismatch,
 )
+from queues.fence import Fence, refused
 from queues.queries import q
 
 # PAGE_PLAN_NOTE: statements that take a page of keys as arrays run unprepared. After five
@@ -42,10 +51,10 @@ from queues.queries import q
 # with a custom plan took 9.6 s at 21,000 rows. The page arrays of JSON values are sent
 # in binary (%(x)b), which saves most of the client's per-page escaping work.
 
-JSON: TypeAlias = bool | int | float | str | list["JSON"] | dict[str, "JSON"] | None
+JSON: TypeAlias = fields.JSON
 
-MAX_PAGE_ROWS = 5_000
-MAX_KEY_CHARS = 512
+MAX_PAGE_ROWS = fields.MAX_PAGE_KEYS
+MAX_KEY_CHARS = fields.MAX_ROW_KEY
 SUPERSEDED_SAMPLE_SIZE = 5
 
 
@@ -73,6 +82,7 @@ class StaleReason(StrEnum):
     NEWER_WRITE_VERSION = "newer_write_version"  # a later admission owns the row
     OLDER_WRITE_VERSION = "older_write_version"  # the writer's version never admitted it
     ALREADY_TERMINAL = "already_terminal"  # finished already, nothing overwritten: benign
+    STALE_ATTEMPT = "stale_attempt"  # the writer's attempt no longer owns its run: stop
     UNREPORTED = "unreported"  # the receiver gave no (known) reason: treated as superseded
 
 
@@ -99,10 +109,20 @@ class AdmitResult:
 
     def to_wire(self) -> dict[str, JSON]:
         return {
-            "write_version": self.write_version,
-            "stable_intent": self.stable_intent,
+            "writeVersion": self.write_version,
+            "stableWriteIntent": self.stable_intent,
             "rows": [{"key": r.key, "disposition": r.disposition.value} for r in self.rows],
         }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> AdmitResult:
+        return cls(
+            write_version=int(data["writeVersion"]),
+            stable_intent=bool(data.get("stableWriteIntent")),
+            rows=tuple(
+                RowAdmission(str(r["key"]), Disposition(r["disposition"])) for r in data["rows"]
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +151,25 @@ class CompletionResult:
         """Stale rows that mean another admission owns the rows (every non-benign reason)."""
         return tuple(row for row in self.stale if row.reason not in BENIGN_REASONS)
 
+    @property
+    def attempt_stale(self) -> bool:
+        """The writer's attempt was refused by the attempt fence: it must stop."""
+        return any(row.reason is StaleReason.STALE_ATTEMPT for row in self.stale)
+
+    def raise_if_superseded(self, *, sheet: str, run_id: UUID | str) -> None:
+        """The writer's explicit choice: raise :class:`SheetSuperseded` on any non-benign
+        stale row (a completion reports them without raising otherwise)."""
+        submitted = len(self.committed) + len(self.stale)
+        raise_if_superseded(self, sheet=sheet, run_id=run_id, submitted=submitted)
+
     def to_wire(self) -> dict[str, JSON]:
+        """The reference runtime's shape: committedKeys, staleRows with rowVersionStamp."""
         return {
-            "write_version": self.write_version,
-            "committed": list(self.committed),
-            "replayed": list(self.replayed),
-            "stale": [
-                {"key": s.key, "reason": s.reason.value, "current_version": s.current_version}
+            "writeVersion": self.write_version,
+            "committedKeys": list(self.committed),
+            "replayedKeys": list(self.replayed),
+            "staleRows": [
+                {"key": s.key, "reason": s.reason.value, "rowVersionStamp": s.current_version}
                 for s in self.stale
             ],
         }
@@ -150,7 +182,7 @@ class CompletionResult:
         ``unreported``, which counts as superseded: every stale versioned write is.
         """
         stale: list[StaleRow] = []
-        for entry in data.get("stale") or ():
+        for entry in data.get("staleRows") or data.get("staleKeys") or ():
             if isinstance(entry, str):  # a bare key: a receiver that predates reasons
                 stale.append(StaleRow(entry, StaleReason.UNREPORTED, None))
                 continue
@@ -158,14 +190,14 @@ class CompletionResult:
                 reason = StaleReason(entry.get("reason"))
             except ValueError:
                 reason = StaleReason.UNREPORTED
-            version = entry.get("current_version")
+            version = entry.get("rowVersionStamp")
             stale.append(
                 StaleRow(str(entry["key"]), reason, version if isinstance(version, int) else None)
             )
         return cls(
-            write_version=data.get("write_version"),
-            committed=tuple(data.get("committed") or ()),
-            replayed=tuple(data.get("replayed") or ()),
+            write_version=data.get("writeVersion"),
+            committed=tuple(data.get("committedKeys") or ()),
+            replayed=tuple(data.get("replayedKeys") or ()),
             stale=tuple(stale),
         )
 
@@ -183,31 +215,23 @@ async def admit_page(
     *,
     org: str,
     sheet: str,
-    run_id: UUID,
+    fence: Fence,
     rows: Sequence[tuple[str, JSON]],
     write_version: int | None = None,
     stable_intent: bool = False,
 ) -> AdmitResult:
-    """Admit one page of ``(key, input)`` rows to a sheet, in one transaction.
+    """Admit one page of ``(key, input)`` rows to a sheet, in one transaction; fenced.
 
-    Resolves the write version (legacy: a fresh one; stable intent: the run's durable
-    intent on the sheet, created on first use), inserts new rows and re-admits pending
-    rows of older versions under it, and returns each row's disposition in page order.
-    Raises :class:`WriteVersionMismatch` when ``write_version`` disagrees with the
-    stored intent; nothing is written then.
+    Resolves the write version (stable intent: the run's durable intent on the sheet,
+    created on first use; legacy: ``write_version`` when the attempt already minted one
+    on an earlier page, else a fresh one), inserts new rows and re-admits pending rows of
+    older versions under it, and returns each row's disposition in page order. Raises
+    :class:`WriteVersionMismatch` when ``write_version`` disagrees with the stored intent,
+    and :class:`StaleAttempt` when the fence no longer holds; nothing is written then.
     """
     _check_name("org", org)
     _check_name("sheet", sheet)
     keys = _check_keys([key for key, _ in rows], "rows")
-    if write_version is not None and not stable_intent:
-        raise InvalidField(
-            f"write_version={write_version} was passed to a legacy admission of sheet "
-            f"{sheet!r}, which mints its own version on every call",
-            field="write_version",
-            rule="only meaningful with stable_intent=True",
-            fix="pass stable_intent=True to keep one version across pages and wakes, "
-            "or omit write_version",
-        )
     if write_version is not None and write_version <= 0:
         raise InvalidField(
             f"write_version must be a positive integer, got {write_version}",
@@ -216,37 +240,74 @@ async def admit_page(
             fix="pass the write_version an earlier admission of this run returned",
         )
 
+    # A fence refusal is returned, not raised, inside the transaction: its wq_refusals row
+    # commits with it, and the error is raised after (nothing else was written).
     async with conn.transaction():
-        if stable_intent:
-            version = await _resolve_intent(
-                conn, org=org, sheet=sheet, run_id=run_id, expected=write_version
-            )
-        else:
-            version = await _mint_version(conn, org=org, run_id=run_id)
-        dispositions: dict[str, Disposition] = {}
-        if keys:
+        admitted = await _admit_in_transaction(
+            conn,
+            org=org,
+            sheet=sheet,
+            fence=fence,
+            rows=rows,
+            keys=keys,
+            write_version=write_version,
+            stable_intent=stable_intent,
+        )
+    if isinstance(admitted, Exception):
+        raise admitted
+    return admitted
+
+
+async def _admit_in_transaction(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    org: str,
+    sheet: str,
+    fence: Fence,
+    rows: Sequence[tuple[str, JSON]],
+    keys: list[str],
+    write_version: int | None,
+    stable_intent: bool,
+) -> AdmitResult | WorkerError:
+    if stable_intent:
+        version = await _resolve_intent(
+            conn, org=org, sheet=sheet, fence=fence, expected=write_version, count=len(keys)
+        )
+    else:
+        version = await _attempt_version(
+            conn, org=org, sheet=sheet, fence=fence, expected=write_version, count=len(keys)
+        )
+    if isinstance(version, WorkerError):
+        return version
+    dispositions: dict[str, Disposition] = {}
+    if keys:
+        async with _storable("inputs", "rows"):
             cur = await conn.execute(
                 q("sheet_admit_rows"),
                 {
                     "org": org,
                     "sheet": sheet,
-                    "run_id": run_id,
                     "write_version": version,
                     "keys": keys,
                     "inputs": [Jsonb(value) for _, value in rows],
+                    **fence.params(count=len(keys)),
                 },
                 prepare=False,  # see PAGE_PLAN_NOTE
             )
-            for key, inserted in await cur.fetchall():
+        answer = await cur.fetchall()
+        # The version's statement took the fence in this transaction: it still holds.
+        assert answer[0][0], "the fence was lost inside the admission's transaction"
+        for _fenced, key, inserted in answer:
+            if key is not None:
                 dispositions[key] = Disposition.ADMITTED if inserted else Disposition.READMITTED
-            untouched = [key for key in keys if key not in dispositions]
-            if untouched:
-                # New statement: sees the latest committed state of rows we now hold locked.
-                cur = await conn.execute(
-                    q("sheet_rows_state"), {"org": org, "sheet": sheet, "keys": untouched}
-                )
-                for key, status, row_version in await cur.fetchall():
-                    dispositions[key] = _untouched_disposition(status, row_version, version)
+        untouched = [key for key in keys if key not in dispositions]
+        if untouched:
+            # New statement: sees the latest committed state of rows we now hold locked.
+            cur = await conn.execute(
+                q("sheet_rows_state"), {"org": org, "sheet": sheet, "keys": untouched}
+            )
+            for key, status, row_version in await cur.fetchall():
+                dispositions[key] = _untouched_disposition(status, row_version, version)
     return AdmitResult(
         write_version=version,
         stable_intent=stable_intent,
@@ -263,12 +324,52 @@ def _untouched_disposition(status: str, row_version: int | None, version: int) -
     return Disposition.SUPERSEDED
 
 
-async def _mint_version(conn: psycopg.AsyncConnection[Any], *, org: str, run_id: UUID) -> int:
-    cur = await conn.execute(q("sheet_version_mint"), {"org": org, "run_id": run_id})
+async def _attempt_version(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    org: str,
+    sheet: str,
+    fence: Fence,
+    expected: int | None,
+    count: int,
+) -> int | WorkerError:
+    """The legacy version of this attempt on the sheet (minted on its first page)."""
+    cur = await conn.execute(
+        q("sheet_version_mint"), {"org": org, "sheet": sheet, **fence.params(count)}
+    )
     row = await cur.fetchone()
-    if row is None:
-        raise _run_not_found(org, run_id)
-    return int(row[0])
+    assert row is not None  # the statement always returns one row
+    fenced, run_attempt, run_state, run_org, version = row
+    if not fenced:
+        return _admission_refused(fence, org, count, run_attempt, run_state, run_org)
+    if expected is not None and expected != version:
+        raise WriteVersionMismatch(
+            f"write_version {expected} is not the version attempt {fence.attempt} of run "
+            f"{fence.run_id} admits sheet {sheet!r} under ({version}); nothing was written",
+            field="write_version",
+            rule="a legacy admission reuses the version its attempt minted on its first page",
+            fix="omit write_version, or pass the one this attempt's first admission returned",
+        )
+    return int(version)
+
+
+def _admission_refused(
+    fence: Fence,
+    org: str,
+    count: int,
+    run_attempt: int | None,
+    run_state: str | None,
+    run_org: str | None,
+) -> WorkerError:
+    if run_attempt is None or run_org != org:
+        return _run_not_found(org, fence.run_id)
+    return refused(
+        fence,
+        verb="admit",
+        subject=f"{count} row(s)",
+        run_attempt=run_attempt,
+        run_state=run_state,
+    )
 
 
 async def _resolve_intent(
@@ -276,16 +377,18 @@ async def _resolve_intent(
     *,
     org: str,
     sheet: str,
-    run_id: UUID,
+    fence: Fence,
     expected: int | None,
-) -> int:
-    params = {"org": org, "sheet": sheet, "run_id": run_id}
+    count: int,
+) -> int | WorkerError:
+    run_id = fence.run_id
+    params = {"org": org, "sheet": sheet, **fence.params(count)}
     cur = await conn.execute(q("sheet_intent_claim"), params)
     row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
-    run_found, inserted, existing = row
-    if not run_found:
-        raise _run_not_found(org, run_id)
+    fenced, run_attempt, run_state, run_org, inserted, existing = row
+    if not fenced:
+        return _admission_refused(fence, org, count, run_attempt, run_state, run_org)
     version = inserted if inserted is not None else existing
     if version is None:
         # Lost the insert-if-absent race: the winner has committed by now, but only a new
@@ -324,20 +427,24 @@ async def complete_rows(
     *,
     org: str,
     sheet: str,
-    run_id: UUID,
+    fence: Fence,
     write_version: int | None,
     completions: Sequence[RowCompletion],
     raise_on_superseded: bool = False,
 ) -> CompletionResult:
-    """Write a page of terminal row outputs, fenced by the write version; one statement.
+    """Write a page of terminal row outputs, fenced by the attempt and the write version.
 
-    Only rows that are pending under ``write_version`` are written (an unversioned writer,
+    One statement. When the attempt fence no longer holds nothing is written: every row
+    comes back stale as ``stale_attempt`` and :class:`SheetSuperseded` is raised whatever
+    ``raise_on_superseded`` says (such an attempt must stop). Otherwise only rows that are
+    pending under ``write_version`` are written (an unversioned writer,
     ``write_version=None``, may write pending rows of its own run). A row already finished
     under the same version with the same status and output is an idempotent replay and
-    counts as committed. Everything else is stale, with a reason. With
-    ``raise_on_superseded``, any non-benign stale row raises :class:`SheetSuperseded`
-    after the statement (rows it committed stay committed in the caller's transaction).
+    counts as committed. Everything else is stale, with a reason, reported without
+    raising; with ``raise_on_superseded`` any non-benign stale row raises
+    :class:`SheetSuperseded` after the statement (rows it committed stay committed).
     """
+    run_id = fence.run_id
     _check_name("org", org)
     _check_name("sheet", sheet)
     keys = _check_keys([c.key for c in completions], "completions")
@@ -357,22 +464,26 @@ async def complete_rows(
     replayed: list[str] = []
     stale: list[StaleRow] = []
     if keys:
-        cur = await conn.execute(
-            q("sheet_complete_rows"),
-            {
-                "org": org,
-                "sheet": sheet,
-                "run_id": run_id,
-                "write_version": write_version,
-                "keys": keys,
-                "statuses": statuses,
-                "outputs": [Jsonb(c.output) for c in completions],
-            },
-            prepare=False,  # see PAGE_PLAN_NOTE
-        )
+        async with _storable("outputs", "completions"):
+            cur = await conn.execute(
+                q("sheet_complete_rows"),
+                {
+                    "org": org,
+                    "sheet": sheet,
+                    "write_version": write_version,
+                    "keys": keys,
+                    "statuses": statuses,
+                    "outputs": [Jsonb(c.output) for c in completions],
+                    **fence.params(count=len(keys)),
+                },
+                prepare=False,  # see PAGE_PLAN_NOTE
+            )
         by_key = {row[0]: row[1:] for row in await cur.fetchall()}
         for key in keys:
-            written, found, row_run, row_version, status, same_result = by_key[key]
+            fenced, written, found, row_run, row_version, status, same_result = by_key[key]
+            if not fenced:
+                stale.append(StaleRow(key, StaleReason.STALE_ATTEMPT, None))
+                continue
             if written:
                 committed.append(key)
                 continue
@@ -398,7 +509,7 @@ async def complete_rows(
         replayed=tuple(replayed),
         stale=tuple(stale),
     )
-    if raise_on_superseded:
+    if raise_on_superseded or result.attempt_stale:
         raise_if_superseded(result, sheet=sheet, run_id=run_id, submitted=len(keys))
     return result
 
@@ -426,6 +537,8 @@ def _stale_reason(
         return StaleReason.OLDER_WRITE_VERSION
     if row_version > write_version:
         return StaleReason.NEWER_WRITE_VERSION
+    if row_run != run_id:
+        return StaleReason.OLDER_WRITE_VERSION  # its version, another run's row
     if terminal:
         return None
     return StaleReason.UNREPORTED  # pending under our version cannot be unwritten under the lock
@@ -442,19 +555,28 @@ def raise_if_superseded(
     superseded = result.superseded
     if not superseded:
         return
-    counts = Counter(row.reason.value for row in superseded)
-    reasons = ", ".join(f"{reason}={count}" for reason, count in sorted(counts.items()))
-    samples = "; ".join(
-        f"{row.key} (row version {_or_none(row.current_version)})"
-        for row in superseded[:SUPERSEDED_SAMPLE_SIZE]
-    )
+    counts = dict(sorted(Counter(row.reason.value for row in superseded).items()))
+    reasons = ", ".join(f"{reason}={count}" for reason, count in counts.items())
+    samples = superseded[:SUPERSEDED_SAMPLE_SIZE]
+    shown = "; ".join(f"{row.key} (row version {_or_none(row.current_version)})" for row in samples)
     version = _or_none(result.write_version)
+    owner = (
+        "its attempt no longer owns the run (a newer attempt, a rescue or a cancel took it)"
+        if result.attempt_stale
+        else "another admission owns those rows"
+    )
     raise SheetSuperseded(
         f"sheet {sheet!r} refused {len(superseded)} of {submitted} row completion(s) from "
-        f"run {run_id} at write version {version}: another admission owns those rows "
-        f"({reasons}). This attempt is superseded and must stop; nothing it writes to the "
-        f"sheet can be accepted any more. Sample rows: {samples}.",
-        fix="stop the attempt; the admission that owns the rows will finish them",
+        f"run {run_id} at write version {version}: {owner} ({reasons}). This attempt is "
+        f"superseded and must stop; nothing it writes to the sheet can be accepted any "
+        f"more. Sample rows: {shown}.",
+        fix="stop the attempt; the attempt or admission that owns the rows will finish them",
+        sheet=sheet,
+        run_id=str(run_id),
+        write_version=result.write_version,
+        submitted=submitted,
+        counts=counts,
+        samples=tuple((row.key, row.reason.value, row.current_version) for row in samples),
     )
 
 
@@ -477,15 +599,29 @@ async def progress(conn: psycopg.AsyncConnection[Any], run_id: UUID) -> Progress
 # ---- validation ------------------------------------------------------------------------
 
 
-def _check_name(field: str, value: object) -> None:
-    if not isinstance(value, str) or not value or len(value) > MAX_KEY_CHARS:
+@contextlib.asynccontextmanager
+async def _storable(what: str, field: str) -> AsyncIterator[None]:
+    """A page's JSON values go to Postgres as they are (encoding each twice would cost the
+    hot path); a value jsonb cannot hold (NUL, NaN) fails the page's one statement, which
+    writes nothing, and is reported as bad input instead of a database error."""
+    try:
+        yield
+    except psycopg.errors.DataError as exc:
         raise InvalidField(
-            f"{field} must be a non-empty string of at most {MAX_KEY_CHARS} characters, "
-            f"got {value!r:.80}",
+            f"a row's {what[:-1]} cannot be stored: {exc.diag.message_primary}",
             field=field,
-            rule=f"non-empty string, <= {MAX_KEY_CHARS} characters",
-            fix=f"pass the {field} name",
-        )
+            rule="JSON that Postgres can store: no NaN or Infinity, no NUL (U+0000), "
+            "valid Unicode",
+            fix="clean the values (e.g. replace NUL, send NaN as null) and send the page again",
+        ) from exc
+
+
+
+def _check_name(field: str, value: object) -> None:
+    if field == "org":
+        fields.org(value)
+    else:
+        fields.text(value, field=field, max_len=fields.MAX_SHEET_NAME, fix=f"pass the {field} name")
 
 
 def _check_keys(keys: Sequence[object], field: str) -> list[str]:
@@ -500,14 +636,14 @@ def _check_keys(keys: Sequence[object], field: str) -> list[str]:
     seen: set[str] = set()
     checked: list[str] = []
     for index, key in enumerate(keys):
-        if not isinstance(key, str) or not key or len(key) > MAX_KEY_CHARS:
-            raise InvalidField(
-                f"row key at {field}[{index}] must be a non-empty string of at most "
-                f"{MAX_KEY_CHARS} characters, got {key!r:.80}",
-                field=f"{field}[{index}].key",
-                rule=f"non-empty string, <= {MAX_KEY_CHARS} characters",
-                fix="give every row a short, stable identity (an id, not the row's content)",
-            )
+        fields.text(
+            key,
+            field=f"{field}[{index}].key",
+            max_len=MAX_KEY_CHARS,
+            what="row key",
+            fix="give every row a short, stable identity (an id, not the row's content)",
+        )
+        assert isinstance(key, str)
         if key in seen:
             raise InvalidField(
                 f"row key {key!r} appears twice in one page ({field}[{index}])",

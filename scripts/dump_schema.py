@@ -82,6 +82,11 @@ def dump(url: str) -> str:
     """The normalized schema-only dump of the database at ``url``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
     env.update(LC_ALL="C", LANG="C")
+    # The password goes through the environment: a command line is readable by every local user.
+    params = conninfo_to_dict(url)
+    if password := params.pop("password", None):
+        env["PGPASSWORD"] = str(password)
+    url = make_conninfo(**{k: str(v) for k, v in params.items() if v is not None})
     proc = subprocess.run(
         [
             str(pg_dump_path()),

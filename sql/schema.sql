@@ -63,7 +63,17 @@ CREATE TYPE public.wq_attempt_outcome AS ENUM (
     'superseded',
     'cancelled',
     'handed_back',
-    'suspended'
+    'suspended',
+    'interrupted'
+);
+
+--
+-- Name: wq_delivery_status; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.wq_delivery_status AS ENUM (
+    'pending',
+    'delivered'
 );
 
 --
@@ -108,6 +118,15 @@ CREATE TYPE public.wq_run_state AS ENUM (
     'succeeded',
     'failed',
     'cancelled'
+);
+
+--
+-- Name: wq_sink_kind; Type: TYPE; Schema: public; Owner: -
+--
+
+CREATE TYPE public.wq_sink_kind AS ENUM (
+    'progress',
+    'http'
 );
 
 --
@@ -612,6 +631,97 @@ END;
 $$;
 
 --
+-- Name: wq_child_run_ended(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_child_run_ended() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_name text := 'wq.run:' || NEW.id::text;
+    v_payload jsonb := jsonb_build_object('run_id', NEW.id, 'state', NEW.state);
+    v_woken integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_event:' || NEW.org || ':' || v_name, 0));
+    INSERT INTO wq_emitted_events (org, name, payload, emitted_at)
+    VALUES (NEW.org, v_name, v_payload, clock_timestamp())
+    ON CONFLICT (org, name) DO UPDATE
+       SET payload = excluded.payload, emitted_at = excluded.emitted_at;
+    WITH waiting AS (
+        SELECT r.id, r.lane, wq_transport_next_id() AS job_id
+          FROM wq_runs r
+         WHERE r.state = 'sleeping' AND r.org = NEW.org AND r.wait_event = v_name
+           AND r.cancel_requested_at IS NULL
+           AND r.wake_payload IS NULL  -- already woken, its wake-up job pending
+         ORDER BY r.id
+           FOR UPDATE OF r
+    ), woken AS (
+        UPDATE wq_runs r
+           SET job_id = w.job_id, available_at = NULL, wake_payload = v_payload,
+               updated_at = now()
+          FROM waiting w
+         WHERE r.id = w.id
+        RETURNING r.id
+    ), events AS (
+        INSERT INTO wq_events (run_id, kind, data)
+        SELECT w.id, 'event_received', jsonb_build_object('event', v_name) FROM waiting w
+    )
+    SELECT wq_transport_spawn(array_agg(w.job_id), array_agg(w.lane), array_agg(w.id))
+      INTO v_woken
+      FROM waiting w;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_events_outbox(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_events_outbox() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO wq_outbox (event_id, sink)
+    SELECT a.id, s.name
+      FROM appended a
+     CROSS JOIN wq_sinks s
+     WHERE s.enabled
+     ORDER BY a.id, s.name;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_events_sequence(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_events_sequence() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || NEW.run_id::text, 0));
+    SELECT coalesce(max(e.seq), 0) + 1 INTO NEW.seq
+      FROM wq_events e
+     WHERE e.run_id = NEW.run_id;
+    RETURN NEW;
+END;
+$$;
+
+--
+-- Name: wq_limit_live_holds(text, text, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_limit_live_holds(p_key text, p_org text, p_at timestamp with time zone) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    SELECT count(*)::integer
+      FROM wq_limit_holds h
+      JOIN wq_runs r ON r.id = h.run_id AND r.attempt = h.attempt AND r.state = 'running'
+                    AND r.lease_owner = h.owner AND r.lease_expires_at > p_at
+     WHERE h.key = p_key AND h.org = p_org
+$$;
+
+--
 -- Name: wq_notify_run_event(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -623,6 +733,781 @@ BEGIN
         json_build_object('run_id', NEW.run_id, 'kind', NEW.kind, 'id', NEW.id)::text);
     RETURN NEW;
 END;
+$$;
+
+--
+-- Name: wq_submit(uuid, text, text, jsonb, text, text, text, integer, jsonb, jsonb[], bigint, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_submit(p_id uuid, p_org text, p_play text, p_params jsonb, p_release text, p_lane text, p_key text, p_priority integer, p_authority jsonb, p_input_pages jsonb[], p_input_rows bigint, p_input_digest text) RETURNS TABLE(run_id uuid, created boolean, lane text, job_id bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_state wq_lane_state;
+    v_job bigint;
+    v_run uuid;
+    v_existing record;
+    v_fix text;
+BEGIN
+    SELECT l.state INTO v_state FROM wq_lanes l WHERE l.name = p_lane FOR SHARE;
+    IF v_state IS DISTINCT FROM 'prepared' THEN
+        -- A retried request (its response lost) answers with its run even after the lane
+        -- stopped taking new ones.
+        IF p_key IS NOT NULL THEN
+            SELECT r.id, r.play, r.params, r.lane, r.input_digest INTO v_existing
+              FROM wq_runs r WHERE r.org = p_org AND r.idempotency_key = p_key;
+            IF FOUND THEN
+                PERFORM wq_submit_same_request(
+                    v_existing.id, v_existing.play, v_existing.params, v_existing.input_digest,
+                    p_org, p_play, p_params, p_key, p_input_digest);
+                RETURN QUERY SELECT v_existing.id, false, v_existing.lane::text, NULL::bigint;
+                RETURN;
+            END IF;
+        END IF;
+        v_fix := 'submit with the current release; if this release must take new runs '
+                 'again, an operator reopens its lane with `worker queues reopen '
+                 || p_release || '`';
+        IF v_state IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ001',
+                MESSAGE = format('lane %L of release %L does not exist: nothing was written',
+                                 p_lane, p_release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose worker prepared its lane')::text,
+                HINT = format('start a worker of that release (`worker start --release %s`), '
+                              'which prepares its lane, or run `worker queues prepare %s`; '
+                              'then retry', p_release, p_release);
+        ELSIF v_state = 'draining' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ007',
+                MESSAGE = format('lane %L of release %L is draining (it takes no new runs '
+                                 'while its workers finish the ones it has): nothing was '
+                                 'written', p_lane, p_release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose lane admits runs')::text,
+                HINT = v_fix;
+        ELSE
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ002',
+                MESSAGE = format('lane %L of release %L was reclaimed: nothing was written',
+                                 p_lane, p_release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose lane admits runs')::text,
+                HINT = v_fix;
+        END IF;
+    END IF;
+
+    v_job := wq_transport_next_id();
+    INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id,
+                         authority, input_rows, input_digest)
+    VALUES (p_id, p_org, p_play, p_params, p_release, p_lane, p_key, v_job, p_authority,
+            coalesce(p_input_rows, 0), p_input_digest)
+    ON CONFLICT (org, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id INTO v_run;
+
+    IF v_run IS NULL THEN
+        -- The key admitted a run before, or a concurrent submit just did (ON CONFLICT
+        -- waited for its commit; this new statement sees it): the same request, or a
+        -- conflict.
+        SELECT r.id, r.play, r.params, r.lane, r.input_digest INTO v_existing
+          FROM wq_runs r WHERE r.org = p_org AND r.idempotency_key = p_key;
+        PERFORM wq_submit_same_request(
+            v_existing.id, v_existing.play, v_existing.params, v_existing.input_digest,
+            p_org, p_play, p_params, p_key, p_input_digest);
+        RETURN QUERY SELECT v_existing.id, false, v_existing.lane::text, NULL::bigint;
+        RETURN;
+    END IF;
+
+    PERFORM wq_transport_spawn(ARRAY[v_job], ARRAY[p_lane], ARRAY[v_run], NULL,
+                               ARRAY[p_priority]);
+    INSERT INTO wq_events (run_id, kind, data)
+    VALUES (v_run, 'run_created',
+            jsonb_build_object('play', p_play, 'lane', p_lane, 'org', p_org));
+    IF p_input_pages IS NOT NULL AND cardinality(p_input_pages) > 0 THEN
+        INSERT INTO wq_run_inputs (run_id, page, rows)
+        SELECT v_run, p.ordinality - 1, p.rows
+          FROM unnest(p_input_pages) WITH ORDINALITY AS p (rows, ordinality);
+    END IF;
+    RETURN QUERY SELECT v_run, true, p_lane, v_job;
+END;
+$$;
+
+--
+-- Name: wq_submit_many(uuid[], text[], text[], jsonb[], text[], text[], text[], integer[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_submit_many(p_ids uuid[], p_orgs text[], p_plays text[], p_params jsonb[], p_releases text[], p_lanes text[], p_keys text[], p_priorities integer[], p_authorities jsonb[]) RETURNS TABLE(run_id uuid, created boolean, lane text, job_id bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_closed record;
+    v_existing record;
+    v_fix text;
+    v_ids uuid[];
+    v_jobs bigint[];
+    v_spawned integer;
+BEGIN
+    PERFORM 1 FROM wq_lanes l WHERE l.name = ANY (p_lanes) ORDER BY l.name FOR SHARE;
+
+    SELECT s.lane, s.release, l.state INTO v_closed
+      FROM unnest(p_lanes, p_releases, p_orgs, p_keys) WITH ORDINALITY
+           AS s (lane, release, org, key, ord)
+      LEFT JOIN wq_lanes l ON l.name = s.lane
+     WHERE l.state IS DISTINCT FROM 'prepared'
+       AND NOT EXISTS (SELECT 1 FROM wq_runs r
+                        WHERE r.org = s.org AND r.idempotency_key = s.key)
+     ORDER BY s.ord
+     LIMIT 1;
+    IF FOUND THEN
+        v_fix := 'submit with the current release; if this release must take new runs '
+                 'again, an operator reopens its lane with `worker queues reopen '
+                 || v_closed.release || '`';
+        IF v_closed.state IS NULL THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ001',
+                MESSAGE = format('lane %L of release %L does not exist: nothing was written',
+                                 v_closed.lane, v_closed.release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose worker prepared its lane')::text,
+                HINT = format('start a worker of that release (`worker start --release %s`), '
+                              'which prepares its lane, or run `worker queues prepare %s`; '
+                              'then retry', v_closed.release, v_closed.release);
+        ELSIF v_closed.state = 'draining' THEN
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ007',
+                MESSAGE = format('lane %L of release %L is draining (it takes no new runs '
+                                 'while its workers finish the ones it has): nothing was '
+                                 'written', v_closed.lane, v_closed.release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose lane admits runs')::text,
+                HINT = v_fix;
+        ELSE
+            RAISE EXCEPTION USING
+                ERRCODE = 'WQ002',
+                MESSAGE = format('lane %L of release %L was reclaimed: nothing was written',
+                                 v_closed.lane, v_closed.release),
+                DETAIL = json_build_object('field', 'release',
+                                           'rule', 'a release whose lane admits runs')::text,
+                HINT = v_fix;
+        END IF;
+    END IF;
+
+    WITH input AS (
+        SELECT s.*, wq_transport_next_id() AS job
+          FROM unnest(p_ids, p_orgs, p_plays, p_params, p_releases, p_lanes, p_keys,
+                      p_priorities, p_authorities) WITH ORDINALITY
+               AS s (id, org, play, params, release, lane, key, priority, authority, ord)
+    ), inserted AS (
+        INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id,
+                             authority, input_rows)
+        SELECT i.id, i.org, i.play, i.params, i.release, i.lane, i.key, i.job, i.authority, 0
+          FROM input i
+          JOIN wq_lanes l ON l.name = i.lane AND l.state = 'prepared'
+         ORDER BY i.ord
+        ON CONFLICT (org, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+        RETURNING id, job_id
+    ), made AS (
+        SELECT i.id, i.job, i.lane, i.priority, i.play, i.org
+          FROM inserted n
+          JOIN input i ON i.id = n.id
+    ), events AS (
+        INSERT INTO wq_events (run_id, kind, data)
+        SELECT m.id, 'run_created', jsonb_build_object('play', m.play, 'lane', m.lane, 'org', m.org)
+          FROM made m
+    )
+    SELECT array_agg(m.id), array_agg(m.job),
+           (SELECT wq_transport_spawn(array_agg(x.job), array_agg(x.lane), array_agg(x.id),
+                                      NULL, array_agg(x.priority))
+              FROM made x)
+      INTO v_ids, v_jobs, v_spawned
+      FROM made m;
+
+    -- The submissions that created nothing: retries of a key (or its second use in this
+    -- batch). A new statement: it sees the runs those keys admitted.
+    FOR v_existing IN
+        SELECT r.id, r.play AS e_play, r.params AS e_params, r.input_digest AS e_digest,
+               s.org, s.play, s.params, s.key
+          FROM unnest(p_ids, p_orgs, p_plays, p_params, p_keys) AS s (id, org, play, params, key)
+          JOIN wq_runs r ON r.org = s.org AND r.idempotency_key = s.key
+         WHERE r.id <> s.id
+    LOOP
+        PERFORM wq_submit_same_request(
+            v_existing.id, v_existing.e_play, v_existing.e_params, v_existing.e_digest,
+            v_existing.org, v_existing.play, v_existing.params, v_existing.key, NULL);
+    END LOOP;
+
+    RETURN QUERY
+    SELECT coalesce(made.id, r.id), made.id IS NOT NULL,
+           CASE WHEN made.id IS NOT NULL THEN s.lane ELSE r.lane END::text, made.job
+      FROM unnest(p_ids, p_orgs, p_keys, p_lanes) WITH ORDINALITY AS s (id, org, key, lane, ord)
+      LEFT JOIN unnest(v_ids, v_jobs) AS made (id, job) ON made.id = s.id
+      LEFT JOIN LATERAL (SELECT w.id, w.lane FROM wq_runs w
+                          WHERE made.id IS NULL AND w.org = s.org
+                            AND w.idempotency_key = s.key) r ON true
+     ORDER BY s.ord;
+END;
+$$;
+
+--
+-- Name: wq_submit_same_request(uuid, text, jsonb, text, text, text, jsonb, text, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_submit_same_request(e_id uuid, e_play text, e_params jsonb, e_digest text, p_org text, p_play text, p_params jsonb, p_key text, p_digest text) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_differs text;
+BEGIN
+    IF e_play IS DISTINCT FROM p_play THEN
+        v_differs := format('play %L', e_play);
+    ELSIF e_params IS DISTINCT FROM p_params THEN
+        v_differs := 'other params';
+    ELSIF e_digest IS DISTINCT FROM p_digest THEN
+        v_differs := 'other input rows';
+    ELSE
+        RETURN;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'WQ003',
+        MESSAGE = format('idempotency key %L of org %L already admitted run %s with %s',
+                         p_key, p_org, e_id, v_differs),
+        DETAIL = json_build_object('field', 'idempotency_key',
+                                   'rule', 'one key admits one request (same play, params '
+                                           'and input rows)')::text,
+        HINT = 'use a new key for a different request';
+END;
+$$;
+
+--
+-- Name: wq_submit_with_options(uuid, text, text, jsonb, text, text, text, integer, jsonb, jsonb[], bigint, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_submit_with_options(p_id uuid, p_org text, p_play text, p_params jsonb, p_release text, p_lane text, p_key text, p_priority integer, p_authority jsonb, p_input_pages jsonb[], p_input_rows bigint, p_input_digest text, p_options jsonb) RETURNS TABLE(run_id uuid, created boolean, lane text, job_id bigint)
+    LANGUAGE plpgsql SECURITY DEFINER
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+#variable_conflict use_column
+DECLARE
+    v_admitted record;
+    v_unknown text;
+    v_retry jsonb := coalesce(p_options -> 'retry', '{}'::jsonb);
+BEGIN
+    SELECT k INTO v_unknown
+      FROM jsonb_object_keys(coalesce(p_options, '{}'::jsonb)) AS k
+     WHERE k NOT IN ('max_attempts', 'retry', 'timeout_s', 'start_by', 'meta')
+     UNION ALL
+    SELECT 'retry.' || k
+      FROM jsonb_object_keys(v_retry) AS k
+     WHERE k NOT IN ('kind', 'base_s', 'factor', 'cap_s', 'jitter')
+     LIMIT 1;
+    IF v_unknown IS NOT NULL THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'WQ008',
+            MESSAGE = format('run option %L is not known to this database: nothing was '
+                             'written', v_unknown),
+            DETAIL = json_build_object('field', v_unknown,
+                                       'rule', 'max_attempts, retry (kind, base_s, factor, '
+                                               'cap_s, jitter), timeout_s, start_by, meta')::text,
+            HINT = 'run `worker migrate` with the release that sends this option, or drop it';
+    END IF;
+
+    SELECT s.run_id, s.created, s.lane, s.job_id INTO v_admitted
+      FROM wq_submit(p_id, p_org, p_play, p_params, p_release, p_lane, p_key, p_priority,
+                     p_authority, p_input_pages, p_input_rows, p_input_digest) AS s;
+    IF v_admitted.created THEN
+        UPDATE wq_runs r
+           SET retry_max_attempts = (p_options ->> 'max_attempts')::integer,
+               retry_kind = v_retry ->> 'kind',
+               retry_base_s = (v_retry ->> 'base_s')::double precision,
+               retry_factor = (v_retry ->> 'factor')::double precision,
+               retry_cap_s = (v_retry ->> 'cap_s')::double precision,
+               retry_jitter = (v_retry ->> 'jitter')::double precision,
+               timeout_s = (p_options ->> 'timeout_s')::double precision,
+               start_by = (p_options ->> 'start_by')::timestamptz,
+               meta = p_options -> 'meta'
+         WHERE r.id = v_admitted.run_id;
+    END IF;
+    RETURN QUERY SELECT v_admitted.run_id, v_admitted.created, v_admitted.lane::text,
+                        v_admitted.job_id;
+END;
+$$;
+
+--
+-- Name: wq_tally_deleted_attempts(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_tally_deleted_attempts() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO wq_metric_tallies AS t (metric, label, value)
+    SELECT 'attempts', g.outcome::text, count(*)
+      FROM gone g
+     WHERE g.outcome <> 'running'
+     GROUP BY g.outcome::text
+     ORDER BY g.outcome::text
+    ON CONFLICT (metric, label) DO UPDATE SET value = t.value + excluded.value;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_tally_deleted_refusals(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_tally_deleted_refusals() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO wq_metric_tallies AS t (metric, label, value)
+    SELECT m.metric, m.kind, m.value
+      FROM (SELECT 'refusals' AS metric, g.kind, count(*)::bigint AS value
+              FROM gone g GROUP BY g.kind
+            UNION ALL
+            SELECT 'refused_rows', g.kind, sum(g.rows)::bigint
+              FROM gone g GROUP BY g.kind) m
+     ORDER BY m.metric, m.kind
+    ON CONFLICT (metric, label) DO UPDATE SET value = t.value + excluded.value;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_tally_deleted_runs(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_tally_deleted_runs() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    INSERT INTO wq_metric_tallies AS t (metric, label, value)
+    SELECT m.metric, '', m.value
+      FROM (SELECT 'rows_completed' AS metric, coalesce(sum(g.rows_done), 0)::bigint AS value
+              FROM gone g
+            UNION ALL
+            SELECT 'runs_admitted', count(*) FROM gone) m
+     WHERE m.value > 0
+     ORDER BY m.metric
+    ON CONFLICT (metric, label) DO UPDATE SET value = t.value + excluded.value;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_transport_beat(bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_beat(p_worker bigint) RETURNS void
+    LANGUAGE sql
+    AS $$
+    SELECT procrastinate_update_heartbeat_v1(p_worker)
+$$;
+
+--
+-- Name: wq_transport_job_waiting(bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_job_waiting(p_job_id bigint) RETURNS boolean
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT coalesce((SELECT j.status::text = 'todo'
+                       FROM procrastinate_jobs j
+                      WHERE j.id = p_job_id AND j.task_name = 'wq.run'), false)
+$$;
+
+--
+-- Name: wq_transport_jobs(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_jobs() RETURNS TABLE(id bigint, lane text, status text, scheduled_at timestamp with time zone, waiting boolean, live boolean)
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT j.id, j.queue_name::text, j.status::text, j.scheduled_at,
+           j.status = 'todo', j.status IN ('todo', 'doing')
+      FROM procrastinate_jobs j
+     WHERE j.task_name = 'wq.run'
+$$;
+
+--
+-- Name: wq_transport_next_id(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_next_id() RETURNS bigint
+    LANGUAGE sql
+    AS $$
+    SELECT nextval('procrastinate_jobs_id_seq')
+$$;
+
+--
+-- Name: wq_transport_notify_cancel(uuid); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_notify_cancel(p_run_id uuid) RETURNS void
+    LANGUAGE sql
+    AS $$
+    SELECT pg_notify('wq_control', json_build_object('cancel', p_run_id)::text)
+$$;
+
+--
+-- Name: wq_transport_prune(text[], timestamp with time zone[], integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_prune(p_lanes text[], p_cutoffs timestamp with time zone[], p_limit integer) RETURNS SETOF bigint
+    LANGUAGE sql
+    AS $$
+    WITH doomed AS (
+        SELECT j.id
+          FROM procrastinate_jobs j
+          JOIN unnest(p_lanes, p_cutoffs) AS l (name, cutoff) ON l.name = j.queue_name
+         WHERE j.task_name = 'wq.run'
+           AND j.status IN ('succeeded', 'failed', 'cancelled', 'aborted')
+           AND (SELECT max(e.at) FROM procrastinate_events e WHERE e.job_id = j.id) < l.cutoff
+         ORDER BY j.id
+         LIMIT p_limit
+           FOR UPDATE OF j SKIP LOCKED
+    )
+    DELETE FROM procrastinate_jobs j
+     USING doomed d
+     WHERE j.id = d.id
+    RETURNING j.id
+$$;
+
+--
+-- Name: wq_transport_register_worker(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_register_worker() RETURNS bigint
+    LANGUAGE sql
+    AS $$
+    SELECT worker_id FROM procrastinate_register_worker_v1()
+$$;
+
+--
+-- Name: wq_transport_release(bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_release(p_job_ids bigint[]) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    WITH released AS (
+        UPDATE procrastinate_jobs j
+           SET status = 'todo', worker_id = NULL
+         WHERE j.id = ANY (p_job_ids) AND j.status = 'doing' AND NOT j.abort_requested
+        RETURNING j.id, j.queue_name
+    ), woken AS (
+        SELECT pg_notify('procrastinate_queue_v1#' || r.queue_name,
+                         json_build_object('type', 'job_inserted', 'job_id', r.id)::text)
+          FROM released r
+    )
+    SELECT count(*)::integer FROM woken
+$$;
+
+--
+-- Name: wq_transport_settle(bigint[], boolean[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_settle(p_job_ids bigint[], p_succeeded boolean[]) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    WITH settled AS (
+        UPDATE procrastinate_jobs j
+           SET status = CASE WHEN s.succeeded THEN 'succeeded'
+                             ELSE 'failed' END::procrastinate_job_status,
+               attempts = j.attempts + 1
+          FROM unnest(p_job_ids, p_succeeded) AS s (id, succeeded)
+         WHERE j.id = s.id AND j.status = 'doing'
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM settled
+$$;
+
+--
+-- Name: wq_transport_spawn(bigint[], text[], uuid[], timestamp with time zone[], integer[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_spawn(p_job_ids bigint[], p_lanes text[], p_run_ids uuid[], p_scheduled_at timestamp with time zone[] DEFAULT NULL::timestamp with time zone[], p_priorities integer[] DEFAULT NULL::integer[]) RETURNS integer
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    v_spawned integer;
+BEGIN
+    WITH spawned AS (
+        INSERT INTO procrastinate_jobs (id, queue_name, task_name, priority, args, scheduled_at)
+        SELECT s.id, s.lane, 'wq.run', coalesce(s.priority, 0),
+               jsonb_strip_nulls(jsonb_build_object(
+                   'run_id', s.run_id,
+                   'org', (SELECT r.org FROM wq_runs r WHERE r.id = s.run_id))),
+               s.scheduled_at
+          FROM unnest(p_job_ids, p_lanes, p_run_ids, p_scheduled_at, p_priorities)
+               AS s (id, lane, run_id, scheduled_at, priority)
+        RETURNING 1
+    )
+    SELECT count(*)::integer INTO v_spawned FROM spawned;
+    RETURN v_spawned;
+END;
+$$;
+
+--
+-- Name: wq_transport_stop(bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_stop(p_job_ids bigint[]) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    WITH stopped AS (
+        UPDATE procrastinate_jobs j
+           SET status = CASE WHEN j.status = 'todo' THEN 'cancelled'
+                             ELSE 'aborted' END::procrastinate_job_status
+         WHERE j.id = ANY (p_job_ids) AND j.status IN ('todo', 'doing')
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM stopped
+$$;
+
+--
+-- Name: wq_transport_take(text[], integer, bigint, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_take(p_lanes text[], p_limit integer, p_worker bigint, p_now timestamp with time zone DEFAULT NULL::timestamp with time zone) RETURNS TABLE(job_id bigint, run_id uuid)
+    LANGUAGE plpgsql ROWS 16
+    SET plan_cache_mode TO 'force_generic_plan'
+    SET enable_sort TO 'off'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    v_fair boolean := false;
+    v_hi text;
+    v_lane text;
+BEGIN
+    -- Per lane: a cap, or another org with waiting jobs below the highest one (the end of
+    -- the lane's part of the org index; on a one-org lane the range below it is empty, so
+    -- neither probe walks over the jobs its claims took and vacuum has not cleared yet).
+    FOREACH v_lane IN ARRAY p_lanes LOOP
+        IF (SELECT l.org_concurrency FROM wq_lanes l WHERE l.name = v_lane) > 0 THEN
+            v_fair := true;
+            EXIT;
+        END IF;
+        v_hi := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                   FROM procrastinate_jobs j
+                  WHERE j.status = 'todo' AND j.queue_name = v_lane
+                  ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
+                  LIMIT 1);
+        IF v_hi IS NOT NULL
+           AND (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                  FROM procrastinate_jobs j
+                 WHERE j.status = 'todo' AND j.queue_name = v_lane
+                   AND coalesce(j.args ->> 'org', '') COLLATE "C" < v_hi
+                 ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
+                 LIMIT 1) IS NOT NULL THEN
+            v_fair := true;
+            EXIT;
+        END IF;
+    END LOOP;
+
+    IF NOT v_fair THEN
+        -- One org per lane, no cap: per lane, an ordered walk of wq_jobs_lane_todo_idx
+        -- (lane, priority, id) that stops after p_limit rows whatever the table statistics
+        -- or other lanes' backlog; then the best p_limit over the lanes. The walk orders by
+        -- the lane too: with sorts off, only that index yields the order (procrastinate's
+        -- (priority, id) index would walk every lane's jobs, and a plan made with stale
+        -- statistics chose it). The taken jobs are updated
+        -- by key probes: joined to them, the plan made once per session hashed the whole
+        -- jobs table, history included, on every claim (tests/db/test_claim_plans.py).
+        RETURN QUERY
+        WITH picked AS (
+            SELECT j.id
+              FROM unnest(p_lanes) AS lane (name)
+             CROSS JOIN LATERAL (
+                    SELECT j.id, j.priority
+                      FROM procrastinate_jobs j
+                     WHERE j.status = 'todo'
+                       -- The lane as a range: an equality would make the lane a constant
+                       -- of the order, which procrastinate's index could then serve.
+                       AND j.queue_name >= lane.name AND j.queue_name <= lane.name
+                       AND j.task_name = 'wq.run'
+                       AND (j.scheduled_at IS NULL
+                            OR j.scheduled_at <= coalesce(p_now, now()))
+                     ORDER BY j.queue_name, j.priority DESC, j.id
+                     LIMIT p_limit
+                       FOR UPDATE OF j SKIP LOCKED
+                   ) j
+             ORDER BY j.priority DESC, j.id
+             LIMIT p_limit
+        )
+        UPDATE procrastinate_jobs j
+           SET status = 'doing', worker_id = p_worker
+         WHERE j.id = ANY (ARRAY(SELECT picked.id FROM picked))
+        RETURNING j.id,
+                  CASE WHEN j.args ->> 'run_id'
+                            ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                       THEN (j.args ->> 'run_id')::uuid END;
+        RETURN;
+    END IF;
+
+    RETURN QUERY SELECT f.job_id, f.run_id
+                   FROM wq_transport_take_fair(p_lanes, p_limit, p_worker, p_now) AS f;
+END;
+$_$;
+
+--
+-- Name: wq_transport_take_fair(text[], integer, bigint, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_take_fair(p_lanes text[], p_limit integer, p_worker bigint, p_now timestamp with time zone DEFAULT NULL::timestamp with time zone) RETURNS TABLE(job_id bigint, run_id uuid)
+    LANGUAGE plpgsql ROWS 16
+    SET plan_cache_mode TO 'force_custom_plan'
+    SET enable_sort TO 'off'
+    SET enable_seqscan TO 'off'
+    SET enable_hashjoin TO 'off'
+    SET enable_mergejoin TO 'off'
+    SET enable_material TO 'off'
+    AS $_$
+#variable_conflict use_column
+DECLARE
+    v_lane text;
+    v_head text;
+    v_org text;
+    v_lanes text[] := '{}';
+    v_orgs text[] := '{}';
+    v_seen integer;
+    v_ranked bigint[];
+    c_orgs CONSTANT integer := 32;  -- orgs considered per lane and claim
+BEGIN
+    -- Capped lanes take turns, in lane name order (before any other lock of this claim).
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_lane_claim:' || l.name, 0))
+       FROM wq_lanes l
+      WHERE l.name = ANY (p_lanes) AND l.org_concurrency > 0
+      ORDER BY l.name;
+
+    -- The orgs with waiting jobs, per lane: the oldest waiting job's org, the orgs after it,
+    -- then from the first; one probe of the org index each.
+    FOR v_lane IN SELECT DISTINCT u.name FROM unnest(p_lanes) AS u (name) ORDER BY 1 LOOP
+        SELECT coalesce(j.args ->> 'org', '') COLLATE "C" INTO v_head
+          FROM procrastinate_jobs j
+         WHERE j.status = 'todo'
+           AND j.queue_name >= v_lane AND j.queue_name <= v_lane  -- keeps the lane in the order
+         ORDER BY j.queue_name, j.priority DESC, j.id
+         LIMIT 1;
+        CONTINUE WHEN v_head IS NULL;
+        v_org := v_head;
+        v_seen := 0;
+        WHILE v_org IS NOT NULL AND v_seen < c_orgs LOOP
+            v_lanes := v_lanes || v_lane;
+            v_orgs := v_orgs || v_org;
+            v_seen := v_seen + 1;
+            v_org := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                        FROM procrastinate_jobs j
+                       WHERE j.status = 'todo' AND j.queue_name = v_lane
+                         AND coalesce(j.args ->> 'org', '') COLLATE "C" > v_org
+                       ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C"
+                       LIMIT 1);
+        END LOOP;
+        v_org := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                    FROM procrastinate_jobs j
+                   WHERE j.status = 'todo' AND j.queue_name = v_lane
+                   ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C"
+                   LIMIT 1);
+        WHILE v_org IS NOT NULL AND v_org < v_head COLLATE "C" AND v_seen < c_orgs LOOP
+            v_lanes := v_lanes || v_lane;
+            v_orgs := v_orgs || v_org;
+            v_seen := v_seen + 1;
+            v_org := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                        FROM procrastinate_jobs j
+                       WHERE j.status = 'todo' AND j.queue_name = v_lane
+                         AND coalesce(j.args ->> 'org', '') COLLATE "C" > v_org
+                       ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C"
+                       LIMIT 1);
+        END LOOP;
+    END LOOP;
+
+    -- Each org's due jobs (at most the claim's limit, never more than the org's room under
+    -- the cap), ranked by priority, then the org's running runs plus the job's place in its
+    -- org's queue, then id: the ids in the order they are to be taken.
+    v_ranked := ARRAY(
+        WITH orgs AS (
+            SELECT o.lane, o.org, nullif(l.org_concurrency, 0) AS cap
+              FROM unnest(v_lanes, v_orgs) AS o (lane, org)
+              LEFT JOIN wq_lanes l ON l.name = o.lane
+        ), busy AS MATERIALIZED (
+            -- Running runs per org of these lanes (each lane's running runs: few), counted
+            -- once (materialized: not again for each org of the nested loop below).
+            SELECT r.lane, r.org, count(*)::integer AS running
+              FROM wq_runs r
+             WHERE r.lane = ANY (p_lanes) AND r.state = 'running'
+             GROUP BY 1, 2
+        ), due AS (
+            SELECT o.lane, o.org, coalesce(b.running, 0) AS running, c.id, c.priority
+              FROM orgs o
+              LEFT JOIN busy b ON b.lane = o.lane AND b.org = o.org
+             CROSS JOIN LATERAL (
+                    SELECT j.id, j.priority
+                      FROM procrastinate_jobs j
+                     WHERE j.status = 'todo'
+                       AND j.queue_name = o.lane
+                       -- The org as a range, so that it stays in the order below.
+                       AND coalesce(j.args ->> 'org', '') COLLATE "C" >= o.org
+                       AND coalesce(j.args ->> 'org', '') COLLATE "C" <= o.org
+                       AND j.task_name = 'wq.run'
+                       AND (j.scheduled_at IS NULL
+                            OR j.scheduled_at <= coalesce(p_now, now()))
+                     ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C", j.priority DESC, j.id
+                     LIMIT greatest(0, least(p_limit, o.cap - coalesce(b.running, 0), p_limit))
+                   ) c
+        ), ranked AS (
+            SELECT d.id, d.priority,
+                   d.running + row_number() OVER (PARTITION BY d.lane, d.org
+                                                  ORDER BY d.priority DESC, d.id) AS turn
+              FROM due d
+        )
+        SELECT k.id FROM ranked k ORDER BY k.priority DESC, k.turn, k.id
+    );
+
+    -- The best of them still waiting, locked in that order (SKIP LOCKED, the status
+    -- re-checked under the lock), up to the limit.
+    RETURN QUERY
+    WITH picked AS (
+        SELECT j.id
+          FROM unnest(v_ranked) WITH ORDINALITY AS k (id, n)
+          JOIN procrastinate_jobs j ON j.id = k.id
+         WHERE j.status::text = 'todo'  -- as text: no partial index's predicate (above)
+         ORDER BY k.n
+         LIMIT p_limit
+           FOR UPDATE OF j SKIP LOCKED
+    )
+    UPDATE procrastinate_jobs j
+       SET status = 'doing', worker_id = p_worker
+      FROM picked
+     WHERE j.id = picked.id
+    RETURNING j.id,
+              CASE WHEN j.args ->> 'run_id'
+                        ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                   THEN (j.args ->> 'run_id')::uuid END;
+END;
+$_$;
+
+--
+-- Name: wq_transport_withdraw(bigint[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_withdraw(p_job_ids bigint[]) RETURNS integer
+    LANGUAGE sql
+    AS $$
+    WITH withdrawn AS (
+        UPDATE procrastinate_jobs j
+           SET status = 'cancelled'
+         WHERE j.id IN (SELECT o.id
+                          FROM procrastinate_jobs o
+                         WHERE o.id = ANY (p_job_ids) AND o.status = 'todo'
+                           FOR UPDATE OF o SKIP LOCKED)
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM withdrawn
 $$;
 
 --
@@ -722,6 +1607,17 @@ ALTER TABLE public.procrastinate_workers ALTER COLUMN id ADD GENERATED ALWAYS AS
 );
 
 --
+-- Name: wq_attempt_versions; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_attempt_versions (
+    run_id uuid NOT NULL,
+    attempt integer NOT NULL,
+    sheet text NOT NULL,
+    write_version bigint NOT NULL
+);
+
+--
 -- Name: wq_attempts; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -742,7 +1638,8 @@ CREATE TABLE public.wq_attempts (
 CREATE TABLE public.wq_emitted_events (
     name text NOT NULL,
     payload jsonb DEFAULT 'null'::jsonb NOT NULL,
-    emitted_at timestamp with time zone DEFAULT now() NOT NULL
+    emitted_at timestamp with time zone DEFAULT now() NOT NULL,
+    org text NOT NULL
 );
 
 --
@@ -755,7 +1652,9 @@ CREATE TABLE public.wq_events (
     attempt integer,
     kind text NOT NULL,
     data jsonb DEFAULT '{}'::jsonb NOT NULL,
-    at timestamp with time zone DEFAULT now() NOT NULL
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    seq bigint NOT NULL,
+    idempotency_key text
 );
 
 --
@@ -789,15 +1688,77 @@ CREATE TABLE public.wq_lanes (
     retention_s double precision DEFAULT 604800 NOT NULL,
     prepared_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    max_interruptions integer DEFAULT 20 NOT NULL,
+    run_timeout_s double precision DEFAULT 0 NOT NULL,
+    org_concurrency integer DEFAULT 0 NOT NULL,
     CONSTRAINT wq_lanes_concurrency_check CHECK ((concurrency > 0)),
     CONSTRAINT wq_lanes_heartbeat_below_ttl CHECK ((heartbeat_s < lease_ttl_s)),
     CONSTRAINT wq_lanes_heartbeat_s_check CHECK ((heartbeat_s > (0)::double precision)),
     CONSTRAINT wq_lanes_lease_ttl_s_check CHECK ((lease_ttl_s > (0)::double precision)),
+    CONSTRAINT wq_lanes_max_interruptions_check CHECK ((max_interruptions >= 0)),
+    CONSTRAINT wq_lanes_org_concurrency_check CHECK ((org_concurrency >= 0)),
     CONSTRAINT wq_lanes_retention_s_check CHECK ((retention_s > (0)::double precision)),
     CONSTRAINT wq_lanes_retry_base_s_check CHECK ((retry_base_s >= (0)::double precision)),
     CONSTRAINT wq_lanes_retry_cap_s_check CHECK ((retry_cap_s >= (0)::double precision)),
     CONSTRAINT wq_lanes_retry_jitter_check CHECK (((retry_jitter >= (0)::double precision) AND (retry_jitter <= (1)::double precision))),
-    CONSTRAINT wq_lanes_retry_max_attempts_check CHECK ((retry_max_attempts >= 1))
+    CONSTRAINT wq_lanes_retry_max_attempts_check CHECK ((retry_max_attempts >= 1)),
+    CONSTRAINT wq_lanes_run_timeout_s_check CHECK ((run_timeout_s >= (0)::double precision))
+);
+
+--
+-- Name: wq_limit_buckets; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_limit_buckets (
+    key text NOT NULL,
+    org text NOT NULL,
+    tat timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL
+);
+
+--
+-- Name: wq_limit_holds; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_limit_holds (
+    run_id uuid NOT NULL,
+    hold text NOT NULL,
+    key text NOT NULL,
+    org text NOT NULL,
+    attempt integer NOT NULL,
+    owner text NOT NULL,
+    acquired_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: wq_limits; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_limits (
+    key text NOT NULL,
+    rate_per_s double precision,
+    rate text,
+    burst integer DEFAULT 1 NOT NULL,
+    concurrency integer,
+    per_org boolean DEFAULT false NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by text,
+    CONSTRAINT wq_limits_burst_check CHECK (((burst >= 1) AND (burst <= 1000000))),
+    CONSTRAINT wq_limits_concurrency_check CHECK (((concurrency >= 1) AND (concurrency <= 1000000))),
+    CONSTRAINT wq_limits_key_check CHECK ((key ~ '^[a-z0-9][a-z0-9_.:-]{0,99}$'::text)),
+    CONSTRAINT wq_limits_rate_per_s_check CHECK (((rate_per_s > (0)::double precision) AND (rate_per_s <= (1000000)::double precision))),
+    CONSTRAINT wq_limits_rate_text CHECK (((rate_per_s IS NULL) = (rate IS NULL))),
+    CONSTRAINT wq_limits_something CHECK (((rate_per_s IS NOT NULL) OR (concurrency IS NOT NULL)))
+);
+
+--
+-- Name: wq_metric_tallies; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_metric_tallies (
+    metric text NOT NULL,
+    label text DEFAULT ''::text NOT NULL,
+    value bigint DEFAULT 0 NOT NULL
 );
 
 --
@@ -808,6 +1769,92 @@ CREATE TABLE public.wq_migrations (
     name text NOT NULL,
     checksum text NOT NULL,
     applied_at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: wq_operator_actions; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_operator_actions (
+    id bigint NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    actor text NOT NULL,
+    action text NOT NULL,
+    lane text,
+    run_id uuid,
+    data jsonb DEFAULT '{}'::jsonb NOT NULL,
+    CONSTRAINT wq_operator_actions_actor_check CHECK (((length(actor) >= 1) AND (length(actor) <= 200)))
+);
+
+--
+-- Name: wq_operator_actions_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_operator_actions ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.wq_operator_actions_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: wq_outbox; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_outbox (
+    id bigint NOT NULL,
+    event_id bigint NOT NULL,
+    sink text NOT NULL,
+    status public.wq_delivery_status DEFAULT 'pending'::public.wq_delivery_status NOT NULL,
+    attempts integer DEFAULT 0 NOT NULL,
+    lease_owner text,
+    lease_expires_at timestamp with time zone,
+    next_attempt_at timestamp with time zone DEFAULT now() NOT NULL,
+    last_error text,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    delivered_at timestamp with time zone
+);
+
+--
+-- Name: wq_outbox_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_outbox ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.wq_outbox_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: wq_procrastinate_migrations; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_procrastinate_migrations (
+    name text NOT NULL,
+    applied_as text NOT NULL,
+    package text,
+    applied_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT wq_procrastinate_migrations_applied_as_check CHECK ((applied_as = ANY (ARRAY['schema'::text, 'migration'::text, 'recorded'::text])))
+);
+
+--
+-- Name: wq_progress; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_progress (
+    run_id uuid NOT NULL,
+    state public.wq_run_state,
+    state_seq bigint DEFAULT 0 NOT NULL,
+    attempt integer,
+    rows_admitted bigint DEFAULT 0 NOT NULL,
+    rows_done bigint DEFAULT 0 NOT NULL,
+    last_event_seq bigint DEFAULT 0 NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL
 );
 
 --
@@ -827,6 +1874,33 @@ CREATE TABLE public.wq_receipts (
     error jsonb,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     completed_at timestamp with time zone
+);
+
+--
+-- Name: wq_refusals; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_refusals (
+    id bigint NOT NULL,
+    run_id uuid NOT NULL,
+    attempt integer NOT NULL,
+    worker_id text,
+    kind text NOT NULL,
+    rows integer DEFAULT 1 NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL
+);
+
+--
+-- Name: wq_refusals_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_refusals ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.wq_refusals_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
 );
 
 --
@@ -871,7 +1945,48 @@ CREATE TABLE public.wq_runs (
     finished_at timestamp with time zone,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
     input_rows bigint DEFAULT 0 NOT NULL,
-    CONSTRAINT wq_runs_lease_while_running CHECK (((state <> 'running'::public.wq_run_state) OR (lease_owner IS NOT NULL)))
+    input_digest text,
+    retry_floor integer DEFAULT 0 NOT NULL,
+    retry_max_attempts integer,
+    retry_kind text,
+    retry_base_s double precision,
+    retry_factor double precision,
+    retry_cap_s double precision,
+    retry_jitter double precision,
+    timeout_s double precision,
+    start_by timestamp with time zone,
+    meta jsonb,
+    parent_id uuid,
+    CONSTRAINT wq_runs_lease_iff_running CHECK (((state = 'running'::public.wq_run_state) = (lease_owner IS NOT NULL))),
+    CONSTRAINT wq_runs_retry_floor_check CHECK ((retry_floor >= 0))
+);
+
+--
+-- Name: wq_schedules; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_schedules (
+    name text NOT NULL,
+    play text NOT NULL,
+    params jsonb DEFAULT '{}'::jsonb NOT NULL,
+    org text DEFAULT 'default'::text NOT NULL,
+    cron text,
+    every_s double precision,
+    source text NOT NULL,
+    enabled boolean DEFAULT true NOT NULL,
+    next_at timestamp with time zone NOT NULL,
+    last_tick timestamp with time zone,
+    last_run_id uuid,
+    last_release text,
+    missed_ticks bigint DEFAULT 0 NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by text,
+    CONSTRAINT wq_schedules_every_s_check CHECK ((every_s >= (1)::double precision)),
+    CONSTRAINT wq_schedules_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.:-]{0,99}$'::text)),
+    CONSTRAINT wq_schedules_one_timing CHECK (((cron IS NULL) <> (every_s IS NULL))),
+    CONSTRAINT wq_schedules_params_check CHECK ((jsonb_typeof(params) = 'object'::text)),
+    CONSTRAINT wq_schedules_source_check CHECK ((source = ANY (ARRAY['app'::text, 'cli'::text])))
 );
 
 --
@@ -900,7 +2015,23 @@ CREATE TABLE public.wq_sheet_rows (
     input jsonb DEFAULT '{}'::jsonb NOT NULL,
     output jsonb,
     admitted_at timestamp with time zone DEFAULT now() NOT NULL,
-    finished_at timestamp with time zone
+    finished_at timestamp with time zone,
+    attempt integer
+);
+
+--
+-- Name: wq_sinks; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_sinks (
+    name text NOT NULL,
+    kind public.wq_sink_kind NOT NULL,
+    url text,
+    enabled boolean DEFAULT true NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT wq_sinks_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.-]{0,62}$'::text)),
+    CONSTRAINT wq_sinks_url_iff_http CHECK (((kind = 'http'::public.wq_sink_kind) = (url IS NOT NULL)))
 );
 
 --
@@ -996,6 +2127,13 @@ ALTER TABLE ONLY public.procrastinate_workers
     ADD CONSTRAINT procrastinate_workers_pkey PRIMARY KEY (id);
 
 --
+-- Name: wq_attempt_versions wq_attempt_versions_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_attempt_versions
+    ADD CONSTRAINT wq_attempt_versions_pkey PRIMARY KEY (run_id, attempt, sheet);
+
+--
 -- Name: wq_attempts wq_attempts_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1007,7 +2145,7 @@ ALTER TABLE ONLY public.wq_attempts
 --
 
 ALTER TABLE ONLY public.wq_emitted_events
-    ADD CONSTRAINT wq_emitted_events_pkey PRIMARY KEY (name);
+    ADD CONSTRAINT wq_emitted_events_pkey PRIMARY KEY (org, name);
 
 --
 -- Name: wq_events wq_events_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -1024,11 +2162,74 @@ ALTER TABLE ONLY public.wq_lanes
     ADD CONSTRAINT wq_lanes_pkey PRIMARY KEY (name);
 
 --
+-- Name: wq_limit_buckets wq_limit_buckets_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limit_buckets
+    ADD CONSTRAINT wq_limit_buckets_pkey PRIMARY KEY (key, org);
+
+--
+-- Name: wq_limit_holds wq_limit_holds_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limit_holds
+    ADD CONSTRAINT wq_limit_holds_pkey PRIMARY KEY (run_id, hold);
+
+--
+-- Name: wq_limits wq_limits_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limits
+    ADD CONSTRAINT wq_limits_pkey PRIMARY KEY (key);
+
+--
+-- Name: wq_metric_tallies wq_metric_tallies_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_metric_tallies
+    ADD CONSTRAINT wq_metric_tallies_pkey PRIMARY KEY (metric, label);
+
+--
 -- Name: wq_migrations wq_migrations_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.wq_migrations
     ADD CONSTRAINT wq_migrations_pkey PRIMARY KEY (name);
+
+--
+-- Name: wq_operator_actions wq_operator_actions_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_operator_actions
+    ADD CONSTRAINT wq_operator_actions_pkey PRIMARY KEY (id);
+
+--
+-- Name: wq_outbox wq_outbox_event_sink_key; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_outbox
+    ADD CONSTRAINT wq_outbox_event_sink_key UNIQUE (event_id, sink);
+
+--
+-- Name: wq_outbox wq_outbox_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_outbox
+    ADD CONSTRAINT wq_outbox_pkey PRIMARY KEY (id);
+
+--
+-- Name: wq_procrastinate_migrations wq_procrastinate_migrations_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_procrastinate_migrations
+    ADD CONSTRAINT wq_procrastinate_migrations_pkey PRIMARY KEY (name);
+
+--
+-- Name: wq_progress wq_progress_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_progress
+    ADD CONSTRAINT wq_progress_pkey PRIMARY KEY (run_id);
 
 --
 -- Name: wq_receipts wq_receipts_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -1038,6 +2239,13 @@ ALTER TABLE ONLY public.wq_receipts
     ADD CONSTRAINT wq_receipts_pkey PRIMARY KEY (org, play, scope, step_key);
 
 --
+-- Name: wq_refusals wq_refusals_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_refusals
+    ADD CONSTRAINT wq_refusals_pkey PRIMARY KEY (id);
+
+--
 -- Name: wq_run_inputs wq_run_inputs_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1045,11 +2253,25 @@ ALTER TABLE ONLY public.wq_run_inputs
     ADD CONSTRAINT wq_run_inputs_pkey PRIMARY KEY (run_id, page);
 
 --
+-- Name: wq_runs wq_runs_options_check; Type: CHECK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_runs
+    ADD CONSTRAINT wq_runs_options_check CHECK ((((retry_max_attempts IS NULL) OR ((retry_max_attempts >= 1) AND (retry_max_attempts <= 1000))) AND ((retry_kind IS NULL) OR (retry_kind = ANY (ARRAY['none'::text, 'fixed'::text, 'exponential'::text]))) AND ((retry_base_s IS NULL) OR ((retry_base_s >= (0)::double precision) AND (retry_base_s <= (86400)::double precision))) AND ((retry_factor IS NULL) OR ((retry_factor >= (1)::double precision) AND (retry_factor <= (100)::double precision))) AND ((retry_cap_s IS NULL) OR ((retry_cap_s >= (0)::double precision) AND (retry_cap_s <= (604800)::double precision))) AND ((retry_jitter IS NULL) OR ((retry_jitter >= (0)::double precision) AND (retry_jitter <= (1)::double precision))) AND ((timeout_s IS NULL) OR ((timeout_s >= (0.001)::double precision) AND (timeout_s <= (31536000)::double precision))) AND ((meta IS NULL) OR (jsonb_typeof(meta) = 'object'::text)))) NOT VALID;
+
+--
 -- Name: wq_runs wq_runs_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
 ALTER TABLE ONLY public.wq_runs
     ADD CONSTRAINT wq_runs_pkey PRIMARY KEY (id);
+
+--
+-- Name: wq_schedules wq_schedules_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_schedules
+    ADD CONSTRAINT wq_schedules_pkey PRIMARY KEY (name);
 
 --
 -- Name: wq_schema_contract wq_schema_contract_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -1064,6 +2286,13 @@ ALTER TABLE ONLY public.wq_schema_contract
 
 ALTER TABLE ONLY public.wq_sheet_rows
     ADD CONSTRAINT wq_sheet_rows_pkey PRIMARY KEY (org, sheet, row_key);
+
+--
+-- Name: wq_sinks wq_sinks_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_sinks
+    ADD CONSTRAINT wq_sinks_pkey PRIMARY KEY (name);
 
 --
 -- Name: wq_workers wq_workers_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -1134,10 +2363,34 @@ CREATE UNIQUE INDEX procrastinate_jobs_queueing_lock_idx_v1 ON public.procrastin
 CREATE INDEX procrastinate_periodic_defers_job_id_fkey_v1 ON public.procrastinate_periodic_defers USING btree (job_id);
 
 --
+-- Name: wq_emitted_events_at_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_emitted_events_at_idx ON public.wq_emitted_events USING btree (emitted_at);
+
+--
+-- Name: wq_events_idempotency_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX wq_events_idempotency_idx ON public.wq_events USING btree (run_id, idempotency_key) WHERE (idempotency_key IS NOT NULL);
+
+--
 -- Name: wq_events_run_idx; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX wq_events_run_idx ON public.wq_events USING btree (run_id, id);
+
+--
+-- Name: wq_events_run_seq_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX wq_events_run_seq_idx ON public.wq_events USING btree (run_id, seq);
+
+--
+-- Name: wq_jobs_lane_org_todo_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_jobs_lane_org_todo_idx ON public.procrastinate_jobs USING btree (queue_name, COALESCE((args ->> 'org'::text), ''::text) COLLATE "C", priority DESC, id) WHERE (status = 'todo'::public.procrastinate_job_status);
 
 --
 -- Name: wq_jobs_lane_todo_idx; Type: INDEX; Schema: public; Owner: -
@@ -1146,10 +2399,40 @@ CREATE INDEX wq_events_run_idx ON public.wq_events USING btree (run_id, id);
 CREATE INDEX wq_jobs_lane_todo_idx ON public.procrastinate_jobs USING btree (queue_name, priority DESC, id) WHERE (status = 'todo'::public.procrastinate_job_status);
 
 --
+-- Name: wq_limit_holds_bucket_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_limit_holds_bucket_idx ON public.wq_limit_holds USING btree (key, org);
+
+--
+-- Name: wq_operator_actions_lane_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_operator_actions_lane_idx ON public.wq_operator_actions USING btree (lane, at DESC);
+
+--
+-- Name: wq_outbox_due_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_outbox_due_idx ON public.wq_outbox USING btree (sink, next_attempt_at, id) WHERE (status = 'pending'::public.wq_delivery_status);
+
+--
 -- Name: wq_receipts_owner_idx; Type: INDEX; Schema: public; Owner: -
 --
 
 CREATE INDEX wq_receipts_owner_idx ON public.wq_receipts USING btree (owner_run);
+
+--
+-- Name: wq_refusals_at_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_refusals_at_idx ON public.wq_refusals USING btree (at);
+
+--
+-- Name: wq_runs_children_unfinished_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_runs_children_unfinished_idx ON public.wq_runs USING btree (parent_id) WHERE ((parent_id IS NOT NULL) AND (state = ANY (ARRAY['queued'::public.wq_run_state, 'running'::public.wq_run_state, 'sleeping'::public.wq_run_state])));
 
 --
 -- Name: wq_runs_finished_idx; Type: INDEX; Schema: public; Owner: -
@@ -1176,10 +2459,28 @@ CREATE INDEX wq_runs_lane_unfinished_idx ON public.wq_runs USING btree (lane, st
 CREATE INDEX wq_runs_lease_idx ON public.wq_runs USING btree (lease_expires_at) WHERE (state = 'running'::public.wq_run_state);
 
 --
+-- Name: wq_runs_parent_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_runs_parent_idx ON public.wq_runs USING btree (parent_id) WHERE (parent_id IS NOT NULL);
+
+--
+-- Name: wq_runs_start_by_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_runs_start_by_idx ON public.wq_runs USING btree (start_by) WHERE ((state = 'queued'::public.wq_run_state) AND (start_by IS NOT NULL) AND (started_at IS NULL));
+
+--
 -- Name: wq_runs_wait_event_idx; Type: INDEX; Schema: public; Owner: -
 --
 
-CREATE INDEX wq_runs_wait_event_idx ON public.wq_runs USING btree (wait_event) WHERE (state = 'sleeping'::public.wq_run_state);
+CREATE INDEX wq_runs_wait_event_idx ON public.wq_runs USING btree (org, wait_event) WHERE (state = 'sleeping'::public.wq_run_state);
+
+--
+-- Name: wq_schedules_due_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_schedules_due_idx ON public.wq_schedules USING btree (next_at) WHERE enabled;
 
 --
 -- Name: wq_sheet_rows_run_idx; Type: INDEX; Schema: public; Owner: -
@@ -1230,10 +2531,46 @@ CREATE TRIGGER procrastinate_trigger_status_events_insert_v1 AFTER INSERT ON pub
 CREATE TRIGGER procrastinate_trigger_status_events_update_v1 AFTER UPDATE OF status ON public.procrastinate_jobs FOR EACH ROW EXECUTE FUNCTION public.procrastinate_trigger_function_status_events_update_v1();
 
 --
+-- Name: wq_runs wq_child_run_ended; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_child_run_ended AFTER UPDATE OF state ON public.wq_runs FOR EACH ROW WHEN (((new.parent_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::public.wq_run_state, 'failed'::public.wq_run_state, 'cancelled'::public.wq_run_state])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION public.wq_child_run_ended();
+
+--
 -- Name: wq_events wq_events_notify; Type: TRIGGER; Schema: public; Owner: -
 --
 
 CREATE TRIGGER wq_events_notify AFTER INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_notify_run_event();
+
+--
+-- Name: wq_events wq_events_outbox; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_events_outbox AFTER INSERT ON public.wq_events REFERENCING NEW TABLE AS appended FOR EACH STATEMENT EXECUTE FUNCTION public.wq_events_outbox();
+
+--
+-- Name: wq_events wq_events_sequence; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_events_sequence BEFORE INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_events_sequence();
+
+--
+-- Name: wq_attempts wq_tally_deleted_attempts; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_tally_deleted_attempts AFTER DELETE ON public.wq_attempts REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_tally_deleted_attempts();
+
+--
+-- Name: wq_refusals wq_tally_deleted_refusals; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_tally_deleted_refusals AFTER DELETE ON public.wq_refusals REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_tally_deleted_refusals();
+
+--
+-- Name: wq_runs wq_tally_deleted_runs; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_tally_deleted_runs AFTER DELETE ON public.wq_runs REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_tally_deleted_runs();
 
 --
 -- Name: procrastinate_events procrastinate_events_job_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
@@ -1257,6 +2594,13 @@ ALTER TABLE ONLY public.procrastinate_periodic_defers
     ADD CONSTRAINT procrastinate_periodic_defers_job_id_fkey FOREIGN KEY (job_id) REFERENCES public.procrastinate_jobs(id);
 
 --
+-- Name: wq_attempt_versions wq_attempt_versions_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_attempt_versions
+    ADD CONSTRAINT wq_attempt_versions_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
+
+--
 -- Name: wq_attempts wq_attempts_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -1269,6 +2613,48 @@ ALTER TABLE ONLY public.wq_attempts
 
 ALTER TABLE ONLY public.wq_events
     ADD CONSTRAINT wq_events_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
+
+--
+-- Name: wq_limit_buckets wq_limit_buckets_key_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limit_buckets
+    ADD CONSTRAINT wq_limit_buckets_key_fkey FOREIGN KEY (key) REFERENCES public.wq_limits(key) ON DELETE CASCADE;
+
+--
+-- Name: wq_limit_holds wq_limit_holds_key_org_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limit_holds
+    ADD CONSTRAINT wq_limit_holds_key_org_fkey FOREIGN KEY (key, org) REFERENCES public.wq_limit_buckets(key, org) ON DELETE CASCADE;
+
+--
+-- Name: wq_limit_holds wq_limit_holds_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_limit_holds
+    ADD CONSTRAINT wq_limit_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
+
+--
+-- Name: wq_outbox wq_outbox_event_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_outbox
+    ADD CONSTRAINT wq_outbox_event_id_fkey FOREIGN KEY (event_id) REFERENCES public.wq_events(id) ON DELETE CASCADE;
+
+--
+-- Name: wq_outbox wq_outbox_sink_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_outbox
+    ADD CONSTRAINT wq_outbox_sink_fkey FOREIGN KEY (sink) REFERENCES public.wq_sinks(name) ON DELETE CASCADE;
+
+--
+-- Name: wq_progress wq_progress_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_progress
+    ADD CONSTRAINT wq_progress_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
 
 --
 -- Name: wq_run_inputs wq_run_inputs_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -

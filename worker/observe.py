@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -17,23 +18,29 @@ from typing import Any
 
 import psycopg
 
-from queues import runs
+from queues import ledger, runs
+from queues.errors import ExitCode
 from worker import db
+from worker.output import EXIT_BY_STATE, to_json
+from worker.progress import RowProgress
 
-POLL_S = 2.0
+POLL_S = 2.0  # the fallback poll; WORKER_OBSERVE_POLL_S overrides it
+
+
+def poll_s() -> float:
+    """How often a waiter re-reads the run when no notification came (a dropped LISTEN
+    connection loses notifications; the poll covers that)."""
+    try:
+        value = float(os.environ.get("WORKER_OBSERVE_POLL_S", POLL_S))
+    except ValueError:
+        return POLL_S
+    return value if 0 < value < 86400 else POLL_S
 
 
 def run_dict(run: runs.Run) -> dict[str, Any]:
     data = asdict(run)
     data["id"] = str(run.id)
     return data
-
-
-def progress_bar(done: int, total: int, width: int = 30) -> str:
-    if total <= 0:
-        return ""
-    filled = int(width * min(done, total) / total)
-    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} rows"
 
 
 async def _notified(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, timeout: float) -> None:
@@ -53,36 +60,63 @@ async def wait_terminal(
     deadline = None if timeout is None else time.monotonic() + timeout
     listener = await db.connect(url, autocommit=True)
     async with listener:
-        await listener.execute("LISTEN wq_run_events")
+        if db.listens():  # not through a transaction pooler: there, the poll alone
+            await listener.execute("LISTEN wq_run_events")
         while True:
             run = await runs.get(listener, run_id)
             if run.terminal:
                 return run
-            left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
+            every = poll_s()
+            left = every if deadline is None else min(every, deadline - time.monotonic())
             if left <= 0:
                 return None
             await _notified(listener, run_id, left)
 
 
-async def follow(url: str, run_id: uuid.UUID, echo: Callable[[str], None]) -> int:
-    """Print a run's ledger and progress live until it is terminal; exit code by state."""
+async def follow(
+    url: str,
+    run_id: uuid.UUID,
+    echo: Callable[[str], None] | None = None,
+    *,
+    as_json: bool = False,
+) -> int:
+    """Print a run's ledger and its row progress live until it is terminal; returns the exit
+    code of its final state. ``as_json``: one JSON object per line (events, progress, end)."""
     listener = await db.connect(url, autocommit=True)
     last_event = 0
-    last_bar = ""
+    last_counts = (-1, -1)
+    progress = RowProgress(echo=echo)
+    say = progress.echo
     async with listener:
-        await listener.execute("LISTEN wq_run_events")
-        while True:
-            for event in await runs.events(listener, run_id, after=last_event):
-                last_event = event.id
-                detail = json.dumps(event.data, sort_keys=True, default=str) if event.data else ""
-                attempt = event.attempt or "-"
-                echo(f"{event.at:%H:%M:%S} {event.kind:<18} attempt={attempt} {detail}")
-            run = await runs.get(listener, run_id)
-            bar = progress_bar(run.rows_done, run.rows_total)
-            if bar and bar != last_bar:
-                echo(f"  {bar}")
-                last_bar = bar
-            if run.terminal:
-                echo(f"run {run.id} {run.state}")
-                return {"succeeded": 0, "failed": 1, "cancelled": 3}.get(run.state, 1)
-            await _notified(listener, run_id, 0.5)
+        if db.listens():  # not through a transaction pooler: there, the poll alone
+            await listener.execute("LISTEN wq_run_events")
+        try:
+            while True:
+                for event in await runs.events(listener, run_id, after=last_event):
+                    last_event = event.seq
+                    if as_json:
+                        say(to_json({"event": ledger.event_json(event)}))
+                        continue
+                    detail = (
+                        json.dumps(event.data, sort_keys=True, default=str) if event.data else ""
+                    )
+                    attempt = event.attempt or "-"
+                    say(f"{event.at.isoformat()} {event.kind:<18} attempt={attempt} {detail}")
+                run = await runs.get(listener, run_id)
+                counts = await ledger.progress_counts(listener, run)
+                if counts != last_counts and counts[1] > 0:
+                    last_counts = counts
+                    if as_json:
+                        say(to_json({"progress": {"done": counts[0], "total": counts[1]}}))
+                    else:
+                        progress.update(*counts)
+                if run.terminal:
+                    progress.close()
+                    if as_json:
+                        say(to_json({"run": run_dict(run)}))
+                    else:
+                        say(f"run {run.id} {run.state}")
+                    return int(EXIT_BY_STATE.get(run.state, ExitCode.FAILED))
+                await _notified(listener, run_id, 0.5)
+        finally:
+            progress.close()

@@ -7,8 +7,9 @@ Three ways in, one pass underneath:
   while a part keeps filling its batch;
 - ``worker recover --once``: one pass, printed (or ``--json``);
 - a procrastinate periodic task (``make_procrastinate_app``) on the ``wq-maintenance``
-  queue, deferred once per minute however many workers run the deferrer: procrastinate's
-  ``procrastinate_periodic_defers`` unique (task, periodic id, tick) keeps one job a tick.
+  queue, deferred once per minute however many workers run the deferrer: procrastinate
+  keeps one periodic job per (task, periodic id, tick). Its names are the transport's
+  (:mod:`queues.transport`).
 
 Passes are safe to run at the same time from several hosts (SKIP LOCKED), so the three
 can coexist. ``worker queues adopt`` is the operator's explicit move of a lane.
@@ -18,52 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
-import re
-import signal
-import sys
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-import click
 import procrastinate
 import psycopg
 import structlog
 
-from queues import lanes, migrations, recovery
-from queues.errors import DatabaseUnreachable, InvalidField
-from worker import db
+from queues import migrations, recovery, transport
+from queues.errors import DatabaseUnreachable
+from worker import connections, db
+from worker.config import PoolMode
 
 log = structlog.get_logger("worker.recovery")
 
-MAINTENANCE_QUEUE = "wq-maintenance"
-PERIODIC_ID = "wq-recovery"
-TASK_NAME = "wq.recovery"
+MAINTENANCE_QUEUE = transport.MAINTENANCE_QUEUE
+PERIODIC_ID = transport.RECOVERY_PERIODIC_ID
+TASK_NAME = transport.RECOVERY_TASK
 JITTER = 0.1  # each interval is every_s * (1 +- JITTER), so hosts drift apart
-_DURATION = re.compile(r"^\s*(?P<n>\d+(?:\.\d+)?)\s*(?P<unit>ms|s|m|h)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-class _HasUrl(Protocol):
-    """What the commands need of the CLI's ``State`` (``ctx.obj``)."""
-
-    @property
-    def url(self) -> str: ...
-
-
-def parse_duration(text: str, *, field: str = "--every") -> float:
-    """Seconds in ``60s``, ``5m``, ``1h``, ``500ms`` or a bare number of seconds."""
-    match = _DURATION.match(text)
-    seconds = float(match["n"]) * _UNIT_S[match["unit"] or "s"] if match else 0.0
-    if seconds <= 0:
-        raise InvalidField(
-            f"invalid duration {text!r}",
-            field=field,
-            rule="a positive number with an optional unit: ms, s (the default), m or h",
-            fix=f"pass e.g. {field} 60s, {field} 5m or {field} 1h",
-        )
-    return seconds
 
 
 def jittered(every_s: float, *, rng: random.Random | None = None) -> float:
@@ -75,7 +49,7 @@ def _log_pass(report: recovery.RecoveryReport, duration_ms: float) -> None:
         "recovery_pass",
         duration_ms=round(duration_ms, 3),
         saturated=report.saturated,
-        reprepared=list(report.reprepared),
+        closed_lanes=list(report.closed_lanes),
         **report.counts(),
     )
     for lane in report.stranded:
@@ -95,13 +69,21 @@ async def recover_once(
     *,
     batch: int = recovery.DEFAULT_BATCH,
     stranded_after_s: float = recovery.DEFAULT_STRANDED_AFTER_S,
+    event_retention_s: float = recovery.DEFAULT_EVENT_RETENTION_S,
+    mode: PoolMode | None = None,
+    application: str | None = None,
 ) -> recovery.RecoveryReport:
     """One pass on a fresh connection, after verifying the schema contract."""
-    conn = await db.connect(url, autocommit=True)
+    conn = await db.connect(url, autocommit=True, mode=mode, application=application)
     async with conn:
-        await migrations.verify_contract(conn, url=url)
+        await migrations.verify_contract(conn)
         started = asyncio.get_running_loop().time()
-        report = await recovery.run_once(conn, batch=batch, stranded_after_s=stranded_after_s)
+        report = await recovery.run_once(
+            conn,
+            batch=batch,
+            stranded_after_s=stranded_after_s,
+            event_retention_s=event_retention_s,
+        )
         _log_pass(report, (asyncio.get_running_loop().time() - started) * 1000)
     return report
 
@@ -113,6 +95,7 @@ async def recover_forever(
     *,
     batch: int = recovery.DEFAULT_BATCH,
     stranded_after_s: float = recovery.DEFAULT_STRANDED_AFTER_S,
+    event_retention_s: float = recovery.DEFAULT_EVENT_RETENTION_S,
     on_pass: Callable[[recovery.RecoveryReport], None] | None = None,
     rng: random.Random | None = None,
 ) -> int:
@@ -130,10 +113,13 @@ async def recover_forever(
             try:
                 if conn is None or conn.closed:
                     conn = await db.connect(url, autocommit=True)
-                    await migrations.verify_contract(conn, url=url)
+                    await migrations.verify_contract(conn)
                 started = loop.time()
                 report = await recovery.run_once(
-                    conn, batch=batch, stranded_after_s=stranded_after_s
+                    conn,
+                    batch=batch,
+                    stranded_after_s=stranded_after_s,
+                    event_retention_s=event_retention_s,
                 )
                 passes += 1
                 _log_pass(report, (loop.time() - started) * 1000)
@@ -158,34 +144,50 @@ async def recover_forever(
 # ---- procrastinate periodic task ----------------------------------------------------------
 
 
-def make_procrastinate_app(url: str) -> procrastinate.App:
+def make_procrastinate_app(
+    url: str, *, mode: PoolMode | None = None, owner: str | None = None
+) -> procrastinate.App:
     """A procrastinate app whose periodic task runs one recovery pass every minute.
 
     Run it with ``app.run_worker_async(queues=[MAINTENANCE_QUEUE], ...)`` inside
     ``app.open_async()``: its worker defers the tick (once per tick across all workers)
-    and executes the job.
+    and executes the job. Its pool is one connection (the worker's connection budget,
+    :mod:`worker.connections`), with the process's connection settings (no prepared
+    statements behind a transaction pooler).
     """
     # A short pool timeout: while the database is away the maintenance worker must fail
     # fast (and be restarted by the worker's loop), never hold the worker's shutdown.
+    application = f"wq-maintenance {owner}" if owner else "wq-maintenance"
     app = procrastinate.App(
         connector=procrastinate.PsycopgConnector(
-            conninfo=url, timeout=5.0, kwargs={"connect_timeout": 5}
+            conninfo=url,
+            timeout=5.0,
+            min_size=connections.MAINTENANCE_POOL,
+            max_size=connections.MAINTENANCE_POOL,
+            kwargs=db.connect_kwargs(url, mode=mode, application=application),
         )
     )
 
     @app.periodic(cron="* * * * *", periodic_id=PERIODIC_ID)
     @app.task(name=TASK_NAME, queue=MAINTENANCE_QUEUE)
     async def recovery_tick(timestamp: int) -> dict[str, int]:
-        report = await recover_once(url)
+        report = await recover_once(url, mode=mode, application=application)
         log.info("recovery_tick", tick=timestamp)
         return report.counts()
 
     return app
 
 
-async def run_periodic_worker(url: str, stop_event: asyncio.Event) -> None:
-    """Serve the ``wq-maintenance`` queue (and defer its periodic tick) until stopped."""
-    app = make_procrastinate_app(url)
+async def run_periodic_worker(
+    url: str, stop_event: asyncio.Event, *, mode: PoolMode | None = None, owner: str | None = None
+) -> None:
+    """Serve the ``wq-maintenance`` queue (and defer its periodic tick) until stopped.
+
+    procrastinate's worker polls (every 5 s) instead of LISTENing: its tick comes once a
+    minute, and a LISTEN would need a session of its own (none through a transaction
+    pooler), one more connection per worker.
+    """
+    app = make_procrastinate_app(url, mode=mode, owner=owner)
     async with app.open_async():
         task = asyncio.create_task(
             app.run_worker_async(
@@ -193,6 +195,7 @@ async def run_periodic_worker(url: str, stop_event: asyncio.Event) -> None:
                 concurrency=1,
                 install_signal_handlers=False,
                 name="wq-maintenance",
+                listen_notify=False,
             ),
             name="wq-maintenance",
         )
@@ -206,139 +209,3 @@ async def run_periodic_worker(url: str, stop_event: asyncio.Event) -> None:
             task.cancel()  # procrastinate stops gracefully on cancel (finishes a pass)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-# ---- CLI ----------------------------------------------------------------------------------
-
-
-def _echo_report(report: recovery.RecoveryReport) -> None:
-    c = report.counts()
-    click.echo(
-        f"lease expired: {c['lease_expired']} (retried {c['retried']}, failed {c['failed']}, "
-        f"cancelled {c['cancelled']})"
-    )
-    click.echo(
-        f"respawned: {c['respawned']} (orphans {c['orphans']}, due sleepers "
-        f"{c['due_sleepers']}, woken waiters {c['woken_waiters']})"
-    )
-    if report.reprepared:
-        click.echo(f"lanes re-prepared: {', '.join(report.reprepared)}")
-    click.echo(f"retention: deleted {c['deleted_runs']} run(s), {c['deleted_jobs']} job(s)")
-    if report.saturated:
-        click.echo("more work is waiting: run again (a batch was full)")
-    if not report.stranded:
-        click.echo("stranded: none")
-    for s in report.stranded:
-        click.echo(
-            f"stranded: lane {s.lane} ({s.lane_state}) has {s.runs} unfinished run(s), "
-            f"{s.runnable} runnable, oldest waiting {s.oldest_wait_s:.0f}s and no live worker; "
-            f"start `worker start --release {s.release}` or move them with "
-            f"`worker queues adopt {s.release} NEW_RELEASE`"
-        )
-
-
-@click.command("recover")
-@click.option("--once", is_flag=True, help="Run one pass and exit (the default).")
-@click.option(
-    "--every",
-    "every",
-    default=None,
-    metavar="DURATION",
-    help="Run a pass every DURATION (e.g. 60s, 5m, 1h) until SIGTERM.",
-)
-@click.option(
-    "--batch",
-    type=click.IntRange(1, 100_000),
-    default=recovery.DEFAULT_BATCH,
-    show_default=True,
-    help="Runs per part per pass.",
-)
-@click.option(
-    "--stranded-after",
-    "stranded_after",
-    default="60s",
-    show_default=True,
-    metavar="DURATION",
-    help="Report a lane once a run waited this long on it.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (one line per pass).")
-@click.pass_obj
-def recover_command(
-    state: _HasUrl,
-    once: bool,
-    every: str | None,
-    batch: int,
-    stranded_after: str,
-    as_json: bool,
-) -> None:
-    """Rescue lapsed leases and orphaned runs, clean up, report stranded lanes."""
-    if once and every is not None:
-        raise InvalidField(
-            "--once and --every both given",
-            field="--every",
-            rule="one pass (--once) or a loop (--every DURATION)",
-            fix="drop one of them",
-        )
-    after_s = parse_duration(stranded_after, field="--stranded-after")
-
-    def show(report: recovery.RecoveryReport) -> None:
-        if as_json:
-            click.echo(json.dumps(report.as_dict(), default=str, sort_keys=True))
-        else:
-            _echo_report(report)
-
-    if every is None:
-        show(asyncio.run(recover_once(state.url, batch=batch, stranded_after_s=after_s)))
-        sys.exit(0)
-    every_s = parse_duration(every)
-
-    async def loop() -> int:
-        stop = asyncio.Event()
-        running = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                running.add_signal_handler(sig, stop.set)
-        log.info("recovery_started", every_s=every_s, batch=batch)
-        passes = await recover_forever(
-            state.url,
-            every_s,
-            stop,
-            batch=batch,
-            stranded_after_s=after_s,
-            on_pass=show if as_json else None,
-        )
-        log.info("recovery_stopped", passes=passes)
-        return 0
-
-    sys.exit(asyncio.run(loop()))
-
-
-@click.command("adopt")
-@click.argument("from_release", metavar="FROM_RELEASE")
-@click.argument("to_release", metavar="TO_RELEASE")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@click.pass_obj
-def adopt_command(state: _HasUrl, from_release: str, to_release: str, as_json: bool) -> None:
-    """Move FROM_RELEASE's unfinished runs to TO_RELEASE's lane (explicit, never automatic)."""
-    lanes.validate_release(from_release, field="FROM_RELEASE")
-    lanes.validate_release(to_release, field="TO_RELEASE")
-
-    async def go() -> int:
-        conn = await db.connect(state.url, autocommit=True)
-        async with conn:
-            await migrations.verify_contract(conn, url=state.url)
-            return await recovery.adopt(conn, from_release=from_release, to_release=to_release)
-
-    moved = asyncio.run(go())
-    from_lane, to_lane = lanes.lane_name(from_release), lanes.lane_name(to_release)
-    log.info("lane_adopted", from_lane=from_lane, to_lane=to_lane, runs=moved)
-    if as_json:
-        click.echo(
-            json.dumps({"from_lane": from_lane, "to_lane": to_lane, "moved": moved}, sort_keys=True)
-        )
-    else:
-        click.echo(
-            f"moved {moved} unfinished run(s) from lane {from_lane} to {to_lane}; "
-            f"a worker of release {to_release} runs them"
-        )
-    sys.exit(0)

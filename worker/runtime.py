@@ -1,12 +1,24 @@
-"""The worker process: claim, execute, heartbeat, finish; shut down gracefully.
+"""The worker process: claim, execute, finish; heartbeat; shut down gracefully.
 
-procrastinate is the transport: runs are procrastinate jobs on the lane (a procrastinate
-queue), inserted by admission, woken by procrastinate's NOTIFY channel for the lane. The
-worker claims jobs in batches (one statement claims up to N jobs and starts N attempts)
-and writes finished attempts in batches (one fenced statement finishes N runs and their
-jobs), which is where it gains on one-job-at-a-time fetching.
+procrastinate is the transport (:mod:`queues.transport`): runs are procrastinate jobs on
+the lane (a procrastinate queue), inserted by admission, woken by procrastinate's NOTIFY
+channel for the lane. The worker claims jobs in batches (the transport takes up to N jobs,
+then one statement starts N attempts) and writes finished attempts in batches (one fenced
+statement finishes N runs and their jobs), which is where it gains on one-job-at-a-time
+fetching.
 
-Loops here own the when; ``queues`` owns the what.
+Loops here own the when; :mod:`worker.attempt` owns what one attempt's end means, and
+``queues`` owns the what. The heartbeat runs in a thread of its own
+(:mod:`worker.heartbeat`), so a blocked event loop never costs a lease.
+
+Its connections are bounded (:mod:`worker.connections`: a pool, one LISTEN session, the
+heartbeat, the projector and the maintenance worker; ``max_connections`` caps the sum).
+The one LISTEN session hears the lanes' jobs and cancels (not the ledger's events: the
+projector inside a worker polls, :mod:`worker.projector`); it goes to ``listen_url`` when
+one is given, since behind a transaction-mode pooler
+(``pool_mode``) a LISTEN needs a direct or session-mode connection. Behind such a pooler
+with no listen URL the worker polls: an idle worker picks up a new run within
+``poll_s`` (1 s), cancels arrive with the next heartbeat.
 """
 
 from __future__ import annotations
@@ -17,11 +29,11 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +41,22 @@ import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from queues import admission, lanes, migrations, receipts, runs
-from queues.errors import FenceError, WorkerError
-from worker import db, recovery
-from worker.context import STEP_LEASE_S, RunContext, RunInfo, Suspend
-from worker.plays import Fatal, Registry
+from queues import authority, lanes, migrations, outcomes, runs, transport
+from queues.errors import WorkerError
+from queues.outcomes import Finish, FinishStatus
+from worker import attempt, connections, db, gateway, projector, recovery, scheduler
+from worker.config import PoolMode, pool_mode
+from worker.context import STEP_LEASE_S, RunContext, RunInfo
+from worker.contract import LocalTransport
+from worker.gateway import Served
+from worker.heartbeat import Beat, Heartbeat
+from worker.plays import Registry
 
 log = structlog.get_logger("worker.runtime")
 
 POLL_INTERVAL_S = 1.0
 CLAIM_BATCH_MAX = 64
+HEARTBEAT_MAX_PERIOD_S = 2.0
 
 
 @dataclass
@@ -49,9 +67,19 @@ class Settings:
     concurrency: int | None = None  # None: the lane's policy
     adopt: tuple[str, ...] = ()  # extra releases whose lanes this worker also consumes
     ready_file: Path | None = None
-    grace_s: float = 20.0
+    grace_s: float = 4.0  # under honcho's 5 s stop window (docs/deploy.md: per supervisor)
     max_outage_s: float = 60.0  # exit non-zero when the database is gone for this long
     install_signals: bool = True  # False when embedded in another program (tests, demo)
+    token_secret: bytes | None = None  # signs sandboxed attempts' tokens (sandboxed plays)
+    gateway_url: str | None = None  # the gateway sandboxes call (None: serve one in-process)
+    token_ttl_s: float = 6 * 3600.0
+    # The connection budget and the pooler (worker.connections, worker.db): a cap on this
+    # process's connections (None: the pool is concurrency + 3); where it LISTENs (None:
+    # on url, unless url is a transaction pooler, then it polls every poll_s).
+    max_connections: int | None = None
+    listen_url: str | None = None
+    pool_mode: PoolMode | None = None  # None: WORKER_POOL_MODE (default session)
+    poll_s: float = POLL_INTERVAL_S
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     )
@@ -105,8 +133,9 @@ class _Live:
     claimed: runs.Claimed
     ctx: RunContext
     task: asyncio.Task[None]
-    stop_reason: str | None = None  # cancel | lease_lost | handback
-    finishing: bool = False  # the play is done; its final write is under way
+    stop_reason: str | None = None  # cancel | lease_lost | handback | timeout
+    finishing: bool = False  # the play is done; its final write (or cleanup) is under way
+    timer: asyncio.TimerHandle | None = None  # stops the attempt at the run's timeout
 
 
 class Worker:
@@ -118,49 +147,131 @@ class Worker:
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
         self.capacity = asyncio.Event()
-        self._finishes: list[tuple[runs.Finish, asyncio.Future[bool]]] = []
+        self._finishes: list[tuple[Finish, asyncio.Future[FinishStatus]]] = []
         self._finish_ready = asyncio.Event()
-        self._last_renewal = time.monotonic()
         self._signals = 0
         self.procrastinate_id: int | None = None
         self.lane: lanes.Lane | None = None
         self.pool: AsyncConnectionPool[Any] | None = None
-        self.stats = {"claimed": 0, "succeeded": 0, "failed": 0, "stale": 0, "dropped": 0}
+        self.heartbeat: Heartbeat | None = None
+        self.gateway: Served | None = None
+        self.gateway_url: str | None = settings.gateway_url
+        self.mode = settings.pool_mode or pool_mode()
+        # One LISTEN session: the listen URL, else the database URL when it is a session.
+        self.listen_url = settings.listen_url or (
+            settings.url if db.listens(self.mode) else None
+        )
+        self.budget: connections.Budget | None = None
+        self.transports: set[LocalTransport] = set()  # of attempts not closed yet
+        self.stats = {
+            "claimed": 0,
+            "succeeded": 0,
+            "failed": 0,
+            "interrupted": 0,
+            "stale": 0,
+            "dropped": 0,
+        }
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def run(self) -> int:
         """Run until stopped; returns the process exit code."""
+        listening = self.listen_url is not None
+        connections.check_cap(self.s.max_connections, listening=listening)
         await self._startup()
-        assert self.s.concurrency is not None
+        assert self.s.concurrency is not None and self.lane is not None
+        self.budget = connections.plan(
+            self.s.concurrency, listening=listening, cap=self.s.max_connections
+        )
         self.pool = AsyncConnectionPool(
             self.s.url,
-            min_size=2,
-            # Every running attempt can hold one connection, plus the claim, finish,
-            # heartbeat and maintenance loops.
-            max_size=self.s.concurrency + 4,
+            min_size=min(2, self.budget.pool),
+            # Every running attempt may run a statement at once, plus the claim, finish
+            # and suspension loops; under a cap, attempts queue briefly for a connection.
+            max_size=self.budget.pool,
             open=False,
-            kwargs={"autocommit": True, "connect_timeout": 5},
+            kwargs={"autocommit": True, **self._connect_kwargs("pool")},
             # A getconn that cannot be served soon is an outage, not a queue: fail fast so
             # the loops' outage accounting (and max_outage_s) sees it.
             timeout=min(5.0, self.s.max_outage_s / 2),
         )
         await self.pool.open(wait=True, timeout=30)
+        self.heartbeat = Heartbeat(
+            url=self.s.url,
+            worker_id=self.s.worker_id,
+            period_s=min(self.lane.heartbeat_s, HEARTBEAT_MAX_PERIOD_S),
+            ttl_s=self.lane.lease_ttl_s,
+            step_lease_s=STEP_LEASE_S,
+            loop=asyncio.get_running_loop(),
+            on_beat=self._on_beat,
+            on_silence=self._on_silence,
+            describe=self._describe,
+            connect_kwargs=self._connect_kwargs("heartbeat"),
+        )
+        self.heartbeat.start()
         try:
+            await self._start_gateway()
             return await self._serve()
         finally:
+            if self.gateway is not None:
+                await self.gateway.stop()
+            await asyncio.to_thread(self.heartbeat.stop)
             await self.pool.close()
+
+    def _connect_kwargs(self, part: str, url: str | None = None) -> dict[str, Any]:
+        """Every connection's settings (worker.db), named after the part that holds it."""
+        return db.connect_kwargs(
+            url or self.s.url, mode=self.mode, application=f"wq-{part} {self.s.worker_id}"
+        )
+
+    async def _start_gateway(self) -> None:
+        """Sandboxed plays reach the runtime through a gateway: serve one on loopback unless
+        one is configured."""
+        sandboxed = self.s.registry.sandboxed()
+        if not sandboxed:
+            return
+        if self.s.token_secret is None or self.s.registry.spec is None:
+            raise WorkerError(
+                f"plays {', '.join(sandboxed)} are sandboxed, but this worker has no token "
+                "secret or no importable app to run them with",
+                field="sandboxed",
+                rule="a sandboxed play needs WORKER_TOKEN_SECRET (or the embedded database) "
+                "and an app given as module:attribute",
+                fix="set WORKER_TOKEN_SECRET and start the worker with --app",
+            )
+        if self.gateway_url is None:
+            assert self.pool is not None
+            self.gateway = Served(gateway.make_app(self.pool, secret=self.s.token_secret))
+            self.gateway_url = await self.gateway.start()
+            log.info("gateway_serving", url=self.gateway_url, sandboxed=sandboxed)
 
     async def _startup(self) -> None:
         """Verify the contract, prepare the lanes (before reporting ready), register."""
-        conn = await db.connect(self.s.url, autocommit=True)
+        conn = await db.connect(
+            self.s.url,
+            autocommit=True,
+            mode=self.mode,
+            application=f"wq-start {self.s.worker_id}",
+        )
         async with conn:
-            await migrations.verify_contract(conn, url=self.s.url)
+            await migrations.verify_contract(conn)
             # The worker owns preparation: its lane is prepared before it reports ready.
+            # Preparing never reopens a closed lane: the worker serves it all the same.
             for release in (self.s.release, *self.s.adopt):
-                await admission.ensure_lane(conn, url=self.s.url, release=release)
+                async with conn.transaction():
+                    await lanes.prepare(conn, release)
+                lane = await lanes.get(conn, lanes.lane_name(release))
+                if lane is not None and lane.state != lanes.LaneState.PREPARED:
+                    log.warning(
+                        "lane_closed_to_admissions",
+                        lane=lane.name,
+                        lane_state=lane.state,
+                        detail="serving the runs it holds; it takes no new ones until an "
+                        "operator runs `worker queues reopen`",
+                    )
             self.lane = await lanes.get(conn, lanes.lane_name(self.s.release))
             assert self.lane is not None
+            await scheduler.declare(conn, self.s.registry)  # the app's periodic plays
             self.procrastinate_id = await runs.register_worker(
                 conn,
                 worker_id=self.s.worker_id,
@@ -174,26 +285,37 @@ class Worker:
         structlog.contextvars.bind_contextvars(worker_id=self.s.worker_id)
 
     async def _serve(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT) if self.s.install_signals else ():
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_stop)
+        if self.s.install_signals:
+            on_stop_signals(self.request_stop)
+        listening = self.listen_url is not None
         tasks = [
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._finish_loop(), name="finish"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
-            asyncio.create_task(self._notify_loop(), name="listen"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
+            asyncio.create_task(scheduler.run(self), name="schedules"),
+            projector.start(
+                self.s.url,
+                self.stopping,
+                owner=self.s.worker_id,
+                listen=False,  # polls: see worker.projector
+                mode=self.mode,
+            ),
         ]
+        if listening:
+            tasks.append(asyncio.create_task(self._notify_loop(), name="listen"))
         if self.s.ready_file is not None:
             self.s.ready_file.write_text(
                 json.dumps({"worker_id": self.s.worker_id, "lanes": self.lane_names})
             )
+        assert self.budget is not None
         log.info(
             "worker_ready",
             lanes=self.lane_names,
             release=self.s.release,
             concurrency=self.s.concurrency,
+            connections=self.budget.as_dict(),
+            pool_mode=str(self.mode),
+            wakeups="listen" if listening else f"poll every {self.s.poll_s:g}s",
         )
         self.ready.set()
         exit_code = 0
@@ -209,7 +331,7 @@ class Worker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         assert self.pool is not None
-        with contextlib.suppress(psycopg.Error):
+        with contextlib.suppress(psycopg.Error, PoolTimeout):
             async with self.pool.connection() as conn:
                 await runs.worker_stopped(conn, self.s.worker_id)
         log.info("worker_stopped", **self.stats)
@@ -235,7 +357,7 @@ class Worker:
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for live in list(self.live.values()):
-            if not live.finishing:
+            if not live.finishing and live.stop_reason is None:
                 live.stop_reason = "handback"
                 live.task.cancel()
         tasks = [live.task for live in self.live.values()]
@@ -245,19 +367,34 @@ class Worker:
             _, pending = await asyncio.wait(tasks, timeout=self.s.max_outage_s + 5)
             if pending:
                 log.error("shutdown_abandoned_attempts", count=len(pending))
+        # Whatever way an attempt ended, its held connection is back before the pool closes.
+        for held in list(self.transports):
+            with contextlib.suppress(Exception):
+                await held.aclose()
+        self.transports.clear()
         await self._flush()
 
     # ---- loops --------------------------------------------------------------------------
 
     async def _listen(self) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(self.s.url, autocommit=True, connect_timeout=5)
-        for lane in self.lane_names:
-            await conn.execute(
-                psycopg.sql.SQL("LISTEN {}").format(
-                    psycopg.sql.Identifier(f"procrastinate_queue_v1#{lane}")
-                )
-            )
-        await conn.execute("LISTEN wq_control")
+        """The LISTEN session: the lanes' jobs and cancels. Always a session (a direct or
+        session-mode URL), never pooled."""
+        assert self.listen_url is not None
+        conn = await psycopg.AsyncConnection.connect(
+            self.listen_url,
+            autocommit=True,
+            **db.connect_kwargs(
+                self.listen_url,
+                mode=PoolMode.SESSION,
+                application=f"wq-listen {self.s.worker_id}",
+            ),
+        )
+        try:
+            await transport.listen(conn, self.lane_names)
+        except BaseException:
+            # Cut off, or cancelled at shutdown, before the caller's `async with` owns it.
+            await conn.close()
+            raise
         return conn
 
     async def _notify_loop(self) -> None:
@@ -274,7 +411,7 @@ class Worker:
             try:
                 async with conn:
                     async for note in conn.notifies():
-                        if note.channel == "wq_control":
+                        if note.channel == transport.CONTROL_CHANNEL:
                             self._control(note.payload)
                         else:
                             self.wake.set()
@@ -286,17 +423,17 @@ class Worker:
         many workers run); restarted after a failure, never fatal to the worker."""
         while not self.stopping.is_set():
             try:
-                await recovery.run_periodic_worker(self.s.url, self.stopping)
+                await recovery.run_periodic_worker(
+                    self.s.url, self.stopping, mode=self.mode, owner=self.s.worker_id
+                )
             except Exception as exc:  # a maintenance failure must not stop execution
                 log.warning("maintenance_failed", error=repr(exc)[:300])
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), 5.0)
 
     def _control(self, payload: str) -> None:
-        try:
-            message = json.loads(payload)
-            run_id = uuid.UUID(str(message.get("cancel")))
-        except (ValueError, TypeError, AttributeError):
+        run_id = transport.cancel_request(payload)
+        if run_id is None:
             return
         live = self.live.get(run_id)
         if live is not None and live.stop_reason is None:
@@ -304,9 +441,13 @@ class Worker:
 
     def _stop_run(self, live: _Live, reason: str) -> None:
         if live.finishing:
+            if reason == "lease_lost":
+                live.stop_reason = reason  # stop renewing; the final write is fenced anyway
             return  # the play is done; its fenced final write decides
         live.stop_reason = reason
         live.ctx.cancel_requested = reason == "cancel"
+        if reason == "lease_lost" and self.heartbeat is not None:
+            self.heartbeat.untrack(live.claimed.run_id)
         live.task.cancel()
 
     async def _claim_loop(self) -> None:
@@ -344,141 +485,182 @@ class Worker:
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             if got < min(free, CLAIM_BATCH_MAX) and not self.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), POLL_INTERVAL_S)
+                    await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
 
     def _start(self, c: runs.Claimed) -> None:
-        assert self.pool is not None
+        assert self.pool is not None and self.heartbeat is not None
         assert c.attempt is not None and c.org and c.play and c.lane and c.release
-        info = RunInfo(c.run_id, c.attempt, c.org, c.play, c.lane, c.release, self.s.worker_id)
-        ctx = RunContext(info, dict(c.params or {}), self.pool)
+        assert c.created_at is not None
+        info = RunInfo(
+            c.run_id,
+            c.attempt,
+            c.org,
+            c.play,
+            c.lane,
+            c.release,
+            self.s.worker_id,
+            c.created_at,
+            meta=c.meta,
+        )
+        descriptor = c.descriptor
+        transport = LocalTransport(
+            self.pool,
+            authority.claims_of_attempt(descriptor, attempt=c.attempt, owner=self.s.worker_id),
+            authority.claims_of_attempt(
+                descriptor,
+                attempt=c.attempt,
+                owner=self.s.worker_id,
+                capabilities=[authority.LEDGER_PROJECT],
+            ),
+            # An attempt keeps its connection between calls when the pool has one for every
+            # attempt besides the worker's loops (not under a tighter max_connections).
+            hold=self.budget is not None
+            and self.budget.pool >= (self.s.concurrency or 0) + connections.POOL_EXTRA,
+        )
+        ctx = RunContext(info, dict(c.params or {}), transport)
+        self.transports.add(transport)
         self.stats["claimed"] += 1
-        task = asyncio.create_task(self._execute(c, ctx), name=f"run:{c.run_id}")
-        self.live[c.run_id] = _Live(c, ctx, task)
+        self.heartbeat.track(c.run_id, c.attempt)
+        task = asyncio.create_task(self._execute(c, ctx, transport), name=f"run:{c.run_id}")
+        # A cleanup-only attempt is the cancel: the pending request its heartbeats report
+        # must not stop the hooks it runs.
+        self.live[c.run_id] = _Live(c, ctx, task, stop_reason="cancel" if c.cleanup else None)
+        self._arm_timeout(self.live[c.run_id])
 
-    async def _execute(self, c: runs.Claimed, ctx: RunContext) -> None:
-        """One attempt; whatever happens, its slot is freed and the worker can drain."""
+    def _arm_timeout(self, live: _Live) -> None:
+        """Stop the attempt at its run's timeout (queues.options), measured from the claim's
+        database time, so the worker's clock does not matter."""
+        c = live.claimed
+        claimed_at = c.claimed_at
+        if c.cleanup or c.timeout_at is None or claimed_at is None:
+            return
+        left = (c.timeout_at - claimed_at).total_seconds()
+        live.timer = asyncio.get_running_loop().call_later(
+            max(0.0, left), self._time_out, c.run_id, c.attempt
+        )
+
+    def _time_out(self, run_id: uuid.UUID, attempt_no: int | None) -> None:
+        live = self.live.get(run_id)
+        if live is not None and live.claimed.attempt == attempt_no and live.stop_reason is None:
+            log.warning("run_timed_out", run_id=str(run_id), attempt=attempt_no)
+            self._stop_run(live, "timeout")
+
+    async def _execute(
+        self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport
+    ) -> None:
+        """One attempt; whatever happens, its slot and its connection are freed and the
+        worker can drain."""
         try:
             await self._attempt(c, ctx)
         except asyncio.CancelledError:
+            # Stopped while its cleanup hooks ran (its lease was lost): nothing is written.
+            log.warning(
+                "attempt_finished",
+                run_id=str(c.run_id),
+                attempt=c.attempt,
+                play=c.play,
+                outcome=str(outcomes.Outcome.SUPERSEDED),
+                final_write="none",
+                stopped_in="cleanup",
+            )
             raise
         except Exception as exc:  # the final write itself failed (the database is gone)
             log.error("attempt_final_write_failed", run_id=str(c.run_id), error=repr(exc)[:300])
         finally:
-            self.live.pop(c.run_id, None)
-            self.capacity.set()
+            try:
+                with contextlib.suppress(Exception):  # the pool checks what it gets back
+                    await transport.aclose()
+                self.transports.discard(transport)
+            finally:  # also when a cancel arrives during the close
+                if self.heartbeat is not None:
+                    self.heartbeat.untrack(c.run_id)
+                live = self.live.pop(c.run_id, None)
+                if live is not None and live.timer is not None:
+                    live.timer.cancel()
+                self.capacity.set()
+            # A slot is free: claim again now, not at the next poll (a claim that came back
+            # short because an org was at its cap, wq_lanes.org_concurrency, may now fill).
+            self.wake.set()
+
+    def _stop_reason(self, run_id: uuid.UUID) -> str | None:
+        live = self.live.get(run_id)
+        return live.stop_reason if live is not None else "handback"
 
     async def _attempt(self, c: runs.Claimed, ctx: RunContext) -> None:
         structlog.contextvars.bind_contextvars(run_id=str(c.run_id), attempt=c.attempt, lane=c.lane)
         started = time.perf_counter()
-        assert c.attempt is not None
         play = self.s.registry.get(c.play or "")
-        final: runs.Finish | None
-        written: bool | None = None  # set when the final write was made in-line
-        try:
-            assert play is not None  # the claim only takes plays this worker has
-            result = await play.fn(ctx, ctx.params)
-            final = self._success(c, result)
-        except asyncio.CancelledError:
-            final = await self._stopped(c, ctx)
-        except Suspend as suspend:
-            final = runs.suspended(
-                c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
-            )
-            if suspend.event is not None:
-                final, written = await self._suspend_for_event(c, final, suspend.event)
-        except FenceError as exc:
-            log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
-            final = None
-            assert self.pool is not None
-            async with self.pool.connection() as conn:
-                await runs.mark_superseded(conn, c.run_id, c.attempt)
-        except Exception as exc:
-            error = _error_of(exc)
-            final = runs.failed(
-                c.run_id,
-                c.attempt,
-                error,
-                c.retry,
-                now=datetime.now(UTC),
-                failure=(c.failures or 0) + 1,
-                retryable=not isinstance(exc, Fatal | WorkerError),
-            )
-        applied = True
+        spec = self._sandbox_spec(c) if play is not None and play.sandboxed else None
+        ended = await attempt.run(
+            c, ctx, play, stop_reason=lambda: self._stop_reason(c.run_id), sandbox_spec=spec
+        )
         live = self.live.get(c.run_id)
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
-        if written is not None:
-            applied = written
-        elif final is not None:
-            applied = await self._submit_finish(final)
-        outcome = final.outcome if final is not None else runs.Outcome.SUPERSEDED
+        final = ended.finish
+        status: FinishStatus | None = None
+        if final is not None:
+            status = await self._write(c, final, ended.event)
+            if status is FinishStatus.CANCEL_PENDING:
+                # Cancel is final: the cleanup hooks run, then the `cancelled` write.
+                final = await attempt.cleanup(c, ctx, play)
+                status = await self._write(c, final, None)
+        applied = status is not None and status.applied
+        outcome = final.outcome if final is not None and applied else outcomes.Outcome.SUPERSEDED
         if not applied:
             self.stats["stale"] += 1
-            outcome = runs.Outcome.SUPERSEDED
-        elif final is not None and final.state == runs.RunState.SUCCEEDED:
+        elif final is not None and final.state in (outcomes.RunState.SUCCEEDED,):
             self.stats["succeeded"] += 1
-        elif final is not None and final.state == runs.RunState.FAILED:
+        elif final is not None and final.state == outcomes.RunState.FAILED:
             self.stats["failed"] += 1
+        elif final is not None and final.outcome is outcomes.Outcome.INTERRUPTED:
+            self.stats["interrupted"] += 1
         log.info(
             "attempt_finished",
             play=c.play,
+            cleanup=bool(c.cleanup),
             outcome=str(outcome),
             run_state=str(final.state) if final is not None and applied else None,
-            final_write="applied" if applied and final is not None else "refused",
+            final_write=str(status) if status is not None else "none",
             duration_ms=round((time.perf_counter() - started) * 1000, 3),
         )
 
-    def _success(self, c: runs.Claimed, result: Any) -> runs.Finish:
-        assert c.attempt is not None
-        try:
-            json.dumps(result)
-        except (TypeError, ValueError) as exc:
-            return runs.failed(
-                c.run_id,
-                c.attempt,
-                {"type": "ResultNotJSON", "message": f"the play's result is not JSON: {exc}"},
-                c.retry,
-                now=datetime.now(UTC),
-                failure=(c.failures or 0) + 1,
-                retryable=False,
-            )
-        return runs.succeeded(c.run_id, c.attempt, result)
+    def _sandbox_spec(self, c: runs.Claimed) -> attempt.SandboxSpec:
+        """A sandboxed attempt's two tokens, minted from its run's authority."""
+        assert c.attempt is not None and self.s.token_secret is not None
+        assert self.gateway_url is not None and self.s.registry.spec is not None
+        tokens = authority.mint_attempt(
+            c.descriptor,
+            attempt=c.attempt,
+            owner=self.s.worker_id,
+            secret=self.s.token_secret,
+            ttl_s=self.s.token_ttl_s,
+        )
+        return attempt.SandboxSpec(self.s.registry.spec, self.gateway_url, tokens)
 
-    async def _stopped(self, c: runs.Claimed, ctx: RunContext) -> runs.Finish | None:
-        assert c.attempt is not None
-        live = self.live.get(c.run_id)
-        reason = live.stop_reason if live is not None else "handback"
-        if reason == "cancel":
-            # Cleanup hooks run before the final write (the play's sandboxes, etc.).
-            play = self.s.registry.get(c.play or "")
-            hooks = [*(play.on_cancel if play else ()), *ctx.cleanups]
-            for hook in hooks:
-                try:
-                    await hook(ctx)
-                except Exception as exc:
-                    log.warning("cleanup_hook_failed", error=repr(exc))
-            return runs.cancelled(c.run_id, c.attempt, "cancel requested")
-        if reason == "lease_lost":
-            return None  # a newer attempt or the rescuer owns the run: no write at all
-        return runs.handed_back(c.run_id, c.attempt)
-
-    async def _suspend_for_event(
-        self, c: runs.Claimed, final: runs.Finish, event: str
-    ) -> tuple[runs.Finish, bool | None]:
-        """Suspend on an event under its lock; returns the final write and whether it was
-        already made (None: not yet, the caller submits it)."""
-        assert self.pool is not None and c.attempt is not None
+    async def _write(self, c: runs.Claimed, final: Finish, event: str | None) -> FinishStatus:
+        """Make the final write: a suspension on an event under the event's lock (handing
+        the run straight back when the event came meanwhile), anything else batched."""
+        if event is None:
+            return await self._submit_finish(final)
+        assert self.pool is not None and c.attempt is not None and c.org and c.created_at
         async with self.pool.connection() as conn:
-            emitted, applied = await runs.suspend_for_event(
-                conn, worker_id=self.s.worker_id, finish_=final, event=event
+            emitted, status = await runs.suspend_for_event(
+                conn,
+                worker_id=self.s.worker_id,
+                finish_=final,
+                org=c.org,
+                event=event,
+                since=c.created_at,
             )
         if emitted:
             # Emitted meanwhile: hand the run straight back so it re-enters and reads it.
-            return runs.handed_back(c.run_id, c.attempt), None
-        return final, applied
+            return await self._submit_finish(outcomes.handed_back(c.run_id, c.attempt))
+        assert status is not None
+        return status
 
-    async def _submit_finish(self, final: runs.Finish) -> bool:
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    async def _submit_finish(self, final: Finish) -> FinishStatus:
+        future: asyncio.Future[FinishStatus] = asyncio.get_running_loop().create_future()
         self._finishes.append((final, future))
         self._finish_ready.set()
         return await asyncio.shield(future)
@@ -490,7 +672,7 @@ class Worker:
 
     async def _flush(self) -> None:
         """Write every pending final outcome in one fenced statement; retry while the
-        database is away (a replay of an applied write is refused by the fence, harmlessly).
+        database is away (a retried write that had been applied comes back ``replayed``).
         """
         self._finish_ready.clear()
         batch, self._finishes = self._finishes, []
@@ -501,7 +683,7 @@ class Worker:
         while True:
             try:
                 async with self.pool.connection() as conn:
-                    applied = await runs.finish(
+                    statuses = await runs.finish(
                         conn, worker_id=self.s.worker_id, finishes=[f for f, _ in batch]
                     )
                 break
@@ -516,65 +698,60 @@ class Worker:
         outage.ok()
         for final, future in batch:
             if not future.done():
-                future.set_result((final.run_id, final.attempt) in applied)
+                future.set_result(statuses[(final.run_id, final.attempt)])
 
-    async def _heartbeat_loop(self) -> None:
-        assert self.pool is not None and self.lane is not None
-        period = min(self.lane.heartbeat_s, 2.0)
-        ttl = self.lane.lease_ttl_s
-        while True:
-            await asyncio.sleep(period)
-            leases = [
-                (run_id, live.claimed.attempt or 0)
-                for run_id, live in self.live.items()
-                if live.stop_reason is None
-            ]
-            try:
-                async with self.pool.connection(timeout=period) as conn:
-                    renewed = await runs.heartbeat(conn, worker_id=self.s.worker_id, leases=leases)
-                    await receipts.extend_for_attempts(
-                        conn,
-                        leases=[(r.run_id, r.attempt) for r in renewed],
-                        lease_s=STEP_LEASE_S,
-                    )
-                    await runs.worker_heartbeat(conn, self.s.worker_id)
-            except (*TRANSIENT, TimeoutError) as exc:
-                silent = time.monotonic() - self._last_renewal
-                log.warning("heartbeat_failed", error=repr(exc), silent_s=round(silent, 1))
-                if silent > ttl:
-                    # The watchdog: without renewals past the TTL our leases are gone.
-                    self._lose(self.live.values())
+    # ---- heartbeat callbacks (run on this loop, posted by the heartbeat thread) -----------
+
+    def _on_beat(self, beat: Beat) -> None:
+        kept = {r.run_id: r for r in beat.renewed}
+        for run_id, attempt_no in beat.sent:
+            live = self.live.get(run_id)
+            if live is None or live.claimed.attempt != attempt_no:
                 continue
-            self._last_renewal = time.monotonic()
-            kept = {r.run_id: r for r in renewed}
-            lost = [
-                live
-                for (run_id, _), live in zip(
-                    leases, [self.live.get(r) for r, _ in leases], strict=True
-                )
-                if live is not None and run_id not in kept
-            ]
-            self._lose(lost)
-            for renewal in renewed:
-                live = self.live.get(renewal.run_id)
-                if renewal.cancel and live is not None and live.stop_reason is None:
-                    self._stop_run(live, "cancel")
+            renewal = kept.get(run_id)
+            if renewal is None:
+                self._lose([live])
+            elif renewal.cancel and live.stop_reason is None:
+                self._stop_run(live, "cancel")
+
+    def _on_silence(self, silent_s: float) -> None:
+        # The watchdog: without renewals past the TTL our leases are gone.
+        log.warning("heartbeat_silent_past_ttl", silent_s=round(silent_s, 1))
+        self._lose(self.live.values())
 
     def _lose(self, lost: Iterable[_Live]) -> None:
         for live in list(lost):
-            if live.stop_reason is None:
+            if live.stop_reason != "lease_lost":
                 log.warning(
                     "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
                 )
                 self._stop_run(live, "lease_lost")
 
+    def _describe(self) -> list[dict[str, Any]]:
+        """The attempts running now (read from the heartbeat thread for lag reports)."""
+        return [
+            {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
+            for run_id, live in list(self.live.items())
+        ]
 
-def _error_of(exc: BaseException) -> dict[str, Any]:
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc)[:2000],
-        "code": getattr(exc, "code", None),
-    }
+
+def on_stop_signals(callback: Callable[[], None]) -> bool:
+    """Call ``callback`` on SIGTERM and SIGINT, on the running loop; whether it could.
+
+    Only a loop in the main thread can take signals, and only where the platform gives
+    loops signal handlers (not Windows). Elsewhere (a worker run by a test, or inside an
+    application's own thread) nothing is installed and False comes back: that caller
+    stops the loop another way (``Worker.stop``, its own stop event).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, callback)
+    except NotImplementedError:  # a platform whose loops take no signal handlers
+        return False
+    return True
 
 
 async def serve(settings: Settings) -> int:

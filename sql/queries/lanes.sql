@@ -1,32 +1,54 @@
 -- name: lane_prepare :one
--- Create or refresh a lane's registry row; idempotent, registry rows only (no DDL).
+-- Create a lane's registry row if it has none; idempotent, registry rows only (no DDL).
+-- Never changes the state of an existing lane: a draining or reclaimed lane stays closed
+-- to admissions until an operator reopens it (lane_reopen).
 INSERT INTO wq_lanes AS l (name, release, state)
 VALUES (%(name)s, %(release)s, 'prepared')
-ON CONFLICT (name) DO UPDATE
-   SET state = 'prepared', updated_at = now()
- WHERE l.state = 'reclaimed'
+ON CONFLICT (name) DO NOTHING
 RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
-          retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, retention_s,
-          prepared_at, updated_at;
+          retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, max_interruptions,
+          retention_s, prepared_at, updated_at, run_timeout_s, org_concurrency;
+
+-- name: lane_reopen :one
+-- An operator's explicit reopening of a draining or reclaimed lane to admissions.
+UPDATE wq_lanes
+   SET state = 'prepared', prepared_at = now(), updated_at = now()
+ WHERE name = %(name)s
+RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
+          retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, max_interruptions,
+          retention_s, prepared_at, updated_at, run_timeout_s, org_concurrency;
 
 -- name: lane_get :one
 -- One lane's registry row and policies.
 SELECT name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
-       retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, retention_s,
-       prepared_at, updated_at
+       retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, max_interruptions,
+       retention_s, prepared_at, updated_at, run_timeout_s, org_concurrency
   FROM wq_lanes
  WHERE name = %(name)s;
 
 -- name: lane_list :many
--- Every lane with its counts of unfinished runs and live workers.
+-- Every lane with its counts of unfinished runs, live workers and stale workers. A worker
+-- is live while its heartbeat is fresh: within three of the lane's heartbeat intervals
+-- (it beats at least that often), never longer than the lease TTL. A stale worker stopped
+-- heartbeating without stopping (killed, hung, cut off from the database) within the
+-- horizon; older ones are history. Bounded by the lane count and wq_workers' size.
 SELECT l.name, l.release, l.state::text,
        (SELECT count(*) FROM wq_runs r
          WHERE r.lane = l.name AND r.state IN ('queued', 'running', 'sleeping')) AS unfinished,
-       (SELECT count(*) FROM wq_workers w
-         WHERE l.name = ANY (w.lanes) AND w.stopped_at IS NULL
-           AND w.heartbeat_at > now() - make_interval(secs => l.lease_ttl_s)) AS live_workers,
+       count(w.id) FILTER (WHERE w.heartbeat_at > f.fresh_since) AS live_workers,
+       count(w.id) FILTER (WHERE w.heartbeat_at <= f.fresh_since) AS stale_workers,
+       max(w.heartbeat_at) FILTER (WHERE w.heartbeat_at <= f.fresh_since) AS stale_since,
        l.prepared_at, l.updated_at
   FROM wq_lanes l
+ CROSS JOIN LATERAL (
+       SELECT coalesce(%(now)s::timestamptz, now())
+              - make_interval(secs => least(l.lease_ttl_s, 3 * l.heartbeat_s)) AS fresh_since
+       ) f
+  LEFT JOIN wq_workers w
+    ON l.name = ANY (w.lanes) AND w.stopped_at IS NULL
+   AND w.heartbeat_at > coalesce(%(now)s::timestamptz, now())
+                        - make_interval(secs => %(stale_horizon_s)s::float8)
+ GROUP BY l.name, l.release, l.state, l.prepared_at, l.updated_at, f.fresh_since
  ORDER BY l.prepared_at DESC, l.name;
 
 -- name: lane_set_policy :one
@@ -39,12 +61,15 @@ UPDATE wq_lanes
        retry_base_s = coalesce(%(retry_base_s)s, retry_base_s),
        retry_cap_s = coalesce(%(retry_cap_s)s, retry_cap_s),
        retry_jitter = coalesce(%(retry_jitter)s, retry_jitter),
+       max_interruptions = coalesce(%(max_interruptions)s, max_interruptions),
        retention_s = coalesce(%(retention_s)s, retention_s),
+       run_timeout_s = coalesce(%(run_timeout_s)s, run_timeout_s),
+       org_concurrency = coalesce(%(org_concurrency)s, org_concurrency),
        updated_at = now()
  WHERE name = %(name)s
 RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
-          retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, retention_s,
-          prepared_at, updated_at;
+          retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, max_interruptions,
+          retention_s, prepared_at, updated_at, run_timeout_s, org_concurrency;
 
 -- name: lane_lock_for_reclaim :one
 -- Take the lane row exclusively so no admission (which holds it FOR SHARE) can slip in.
@@ -61,10 +86,3 @@ SELECT count(*) FROM wq_runs WHERE lane = %(name)s AND state IN ('queued', 'runn
 -- name: lane_set_state :exec
 -- Move a lane to another state (drain, reclaim).
 UPDATE wq_lanes SET state = %(state)s::wq_lane_state, updated_at = now() WHERE name = %(name)s;
-
--- name: lane_cancel_waiting_jobs :many
--- Cancel the waiting jobs of a lane being reclaimed (its runs stay for recovery).
-UPDATE procrastinate_jobs
-   SET status = 'cancelled'
- WHERE queue_name = %(lane)s AND status = 'todo'
-RETURNING id;

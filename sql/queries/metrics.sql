@@ -6,8 +6,8 @@ SELECT l.name AS lane,
        count(r.id) FILTER (WHERE r.state = 'queued') AS queued,
        count(r.id) FILTER (WHERE r.state = 'running') AS running,
        count(r.id) FILTER (WHERE r.state = 'sleeping') AS sleeping,
-       (SELECT count(*) FROM procrastinate_jobs j
-         WHERE j.queue_name = l.name AND j.status = 'todo'
+       (SELECT count(*) FROM wq_transport_jobs() j
+         WHERE j.lane = l.name AND j.waiting
            AND (j.scheduled_at IS NULL
                 OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))) AS due_jobs,
        (SELECT count(*) FROM wq_workers w
@@ -27,11 +27,23 @@ SELECT l.name AS lane,
  ORDER BY l.name;
 
 -- name: metrics_attempts :one
--- Attempt outcomes that finished within the window: rescues, stale writes refused, etc.
+-- Attempt outcomes that finished within the window, and the writes the fence refused.
 SELECT count(*) FILTER (WHERE outcome = 'lease_expired') AS lease_rescues,
-       count(*) FILTER (WHERE outcome = 'superseded') AS stale_writes_refused,
+       (SELECT count(*) FROM wq_refusals
+         WHERE at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(window_s)s))
+           AS stale_writes_refused,
        count(*) FILTER (WHERE outcome = 'failed') AS failed_attempts,
        count(*) FILTER (WHERE outcome = 'succeeded') AS succeeded_attempts,
-       count(*) FILTER (WHERE outcome = 'handed_back') AS handed_back
+       count(*) FILTER (WHERE outcome = 'handed_back') AS handed_back,
+       count(*) FILTER (WHERE outcome = 'interrupted') AS interrupted_attempts
   FROM wq_attempts
  WHERE finished_at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(window_s)s);
+
+-- name: metrics_refusals :many
+-- Writes the fence refused within the window, per kind (receipt, admission, rows, emit,
+-- final): statements, and the rows or keys they carried.
+SELECT kind, count(*) AS writes, coalesce(sum(rows), 0)::bigint AS rows
+  FROM wq_refusals
+ WHERE at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(window_s)s)
+ GROUP BY kind
+ ORDER BY kind;

@@ -1,12 +1,17 @@
 -- Work receipts (wq_receipts): claim, finish, batch-complete and look up durable steps.
 --
 -- Lock order, in every statement here (and in any other code that locks both tables):
---   1. the wq_runs row of the writing run, FOR SHARE (the fence);
+--   1. the wq_runs row of the writing run, FOR SHARE (the fence: running, at this attempt,
+--      under this worker's lease, of this org and play);
 --   2. then wq_receipts rows, in primary-key order (org, play, scope, step_key).
--- An attempt bump or a lease rescue is an UPDATE of the wq_runs row, which conflicts with
--- FOR SHARE: it waits for a receipt write in flight, and a receipt write that queues behind
--- it re-checks `attempt` against the new row version and is refused. So a stale attempt's
--- write either commits before the bump or is refused; it never lands after it. Steps of one
+--   3. then the run's ledger seq lock, for receipt_finish's step_failed event (a
+--      transaction advisory lock, sql/migrations/0010).
+-- A lease rescue or a new claim is an UPDATE of the wq_runs row, which conflicts with FOR
+-- SHARE: a claim waits for a receipt write in flight; a rescue skips the locked run (SKIP
+-- LOCKED) and rescues it at its next pass; a receipt write that queues behind either
+-- re-checks the fence against the new row version and is refused (and logged in
+-- wq_refusals). So a stale attempt's write either commits before its attempt is closed
+-- or is refused; it never lands after it. Steps of one
 -- attempt take FOR SHARE together and do not block each other. A receipt row is only locked
 -- once a fence row is in hand (the writes draw their rows FROM fence), so no statement
 -- here holds a receipt while waiting for a run.
@@ -21,13 +26,21 @@
 -- name: receipt_claim :one
 -- Claim a step for (run, attempt) or report replay/skip/busy; fenced by the run's attempt.
 WITH run AS (
-    SELECT id, attempt, state
+    SELECT id, attempt, state, lease_owner, org, play
     FROM wq_runs
     WHERE id = %(run_id)s
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
-    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+    -- The attempt fence: running, at this attempt, under this worker's lease, in its scope.
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+      AND org = %(org)s AND play = %(play)s
+),
+refusal AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind, rows)
+    SELECT id, %(attempt)s, %(owner)s, 'receipt', %(count)s FROM run
+    WHERE NOT EXISTS (SELECT 1 FROM fence)
 ),
 settled AS (
     SELECT status, result, owner_run, owner_attempt, lease_expires_at
@@ -72,6 +85,24 @@ receipt AS (
     SELECT status, result, owner_run, owner_attempt, lease_expires_at FROM claimed
     UNION ALL
     SELECT status, result, owner_run, owner_attempt, lease_expires_at FROM settled
+),
+lazy_commit AS (
+    -- One durable commit per step (the completion's): this claim's commit need not wait
+    -- for its WAL flush when losing it in a crash is harmless, i.e. when it excludes
+    -- nobody the run's lease does not already exclude. A claim in the run's own scope
+    -- only keeps out other attempts of this run, and a newer attempt exists only after the
+    -- durable run claim moved the lease (it then takes over this run's earlier claim
+    -- anyway); a replay writes nothing but its share lock. A crash that loses the claim
+    -- also ends its attempt (every connection dies: the attempt is interrupted, or its
+    -- completion is refused as holding no receipt); the next attempt claims the step
+    -- again, as it would take over a durable claim of its dead predecessor. A claim in a
+    -- named scope keeps other runs out: it stays durable, as does every refusal.
+    -- %(own_commit)s: the caller runs this statement as its own transaction (autocommit),
+    -- so the setting (transaction-local) reaches no other write.
+    SELECT set_config('synchronous_commit', 'off', true)
+    WHERE %(own_commit)s::boolean
+      AND EXISTS (SELECT 1 FROM fence)
+      AND (%(scope)s = 'run:' || %(run_id)s::text OR EXISTS (SELECT 1 FROM settled))
 )
 SELECT
     EXISTS (SELECT 1 FROM fence) AS fenced,
@@ -85,17 +116,26 @@ SELECT
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN receipt ON true
 LEFT JOIN run ON true
+LEFT JOIN lazy_commit ON true
 
 -- name: receipt_finish :one
 -- Record the outcome of a step this attempt holds (completed, failed, skipped); fenced.
 WITH run AS (
-    SELECT id, attempt, state
+    SELECT id, attempt, state, lease_owner, org, play
     FROM wq_runs
     WHERE id = %(run_id)s
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
-    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+    -- The attempt fence: running, at this attempt, under this worker's lease, in its scope.
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+      AND org = %(org)s AND play = %(play)s
+),
+refusal AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind, rows)
+    SELECT id, %(attempt)s, %(owner)s, 'receipt', %(count)s FROM run
+    WHERE NOT EXISTS (SELECT 1 FROM fence)
 ),
 finished AS (
     UPDATE wq_receipts AS r
@@ -110,6 +150,19 @@ finished AS (
       AND r.step_key = %(step_key)s
       AND r.status = 'claimed' AND r.owner_run = fence.id AND r.owner_attempt = %(attempt)s
     RETURNING r.step_key
+),
+step_failed AS (
+    -- The ledger's step_failed, in this transaction, only when the fence held and the
+    -- failure was written. Under FOR SHARE two steps of one attempt may fail at once: the
+    -- ledger's seq lock (sql/migrations/0010) orders their events.
+    INSERT INTO wq_events (run_id, attempt, kind, data)
+    SELECT %(run_id)s::uuid, %(attempt)s::int, 'step_failed',
+           jsonb_strip_nulls(jsonb_build_object(
+               'step', finished.step_key,
+               'scope', %(scope)s::text,
+               'error', %(error)s::jsonb))
+    FROM finished
+    WHERE %(status)s::wq_receipt_status = 'failed'
 )
 SELECT
     EXISTS (SELECT 1 FROM finished) AS written,
@@ -127,13 +180,21 @@ LEFT JOIN wq_receipts AS cur
 -- name: receipt_complete_many :one
 -- Claim-and-complete a page of step keys in one statement, keeping settled ones; fenced.
 WITH run AS (
-    SELECT id, attempt, state
+    SELECT id, attempt, state, lease_owner, org, play
     FROM wq_runs
     WHERE id = %(run_id)s
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
-    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+    -- The attempt fence: running, at this attempt, under this worker's lease, in its scope.
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+      AND org = %(org)s AND play = %(play)s
+),
+refusal AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind, rows)
+    SELECT id, %(attempt)s, %(owner)s, 'receipt', %(count)s FROM run
+    WHERE NOT EXISTS (SELECT 1 FROM fence)
 ),
 page AS (
     SELECT k.step_key, k.result::jsonb AS result
@@ -204,16 +265,42 @@ WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
   AND step_key = ANY (%(keys)s::text[])
   AND status = 'completed'
 
+-- name: receipt_settled :many
+-- The settled (completed or skipped) receipts of one scope, at most limit (no locks):
+-- what an attempt replays without claiming each step (receipts.settled). The results
+-- come only when together they are at most max_bytes as stored; `over` says they are
+-- not (the attempt then claims step by step, reading one result at a time).
+WITH settled AS (
+    SELECT step_key, status::text AS status, result,
+           coalesce(pg_column_size(result), 0) AS size
+    FROM wq_receipts
+    WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
+      AND status IN ('completed', 'skipped')
+    LIMIT %(limit)s
+), total AS (
+    SELECT coalesce(sum(size), 0) > %(max_bytes)s AS over FROM settled
+)
+SELECT s.step_key, s.status, CASE WHEN t.over THEN NULL ELSE s.result END AS result, t.over
+FROM settled s
+CROSS JOIN total t
+
 -- name: receipt_extend_leases :one
 -- Extend the lease of every step one attempt holds (heartbeat); fenced by the run's attempt.
 WITH run AS (
-    SELECT id, attempt, state
+    SELECT id, attempt, state, lease_owner
     FROM wq_runs
     WHERE id = %(run_id)s
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
-    SELECT id FROM run WHERE attempt = %(attempt)s AND state = 'running'
+    -- The attempt fence: running, at this attempt, under this worker's lease.
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+),
+refusal AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind, rows)
+    SELECT id, %(attempt)s, %(owner)s, 'receipt', %(count)s FROM run
+    WHERE NOT EXISTS (SELECT 1 FROM fence)
 ),
 held AS (
     SELECT r.org, r.play, r.scope, r.step_key
@@ -249,10 +336,15 @@ WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s AND step_key = %(s
 
 -- name: receipt_extend_for_attempts :exec
 -- Extend the step leases of a worker's live attempts in one statement (its heartbeat
--- calls this with the attempts whose run leases it just renewed).
+-- calls this with the attempts whose run leases it just renewed); fenced like every write:
+-- only attempts that still own their run under this worker's lease.
 UPDATE wq_receipts r
    SET lease_expires_at = coalesce(%(now)s::timestamptz, now()) + make_interval(secs => %(lease_s)s)
   FROM unnest(%(run_ids)s::uuid[], %(attempts)s::int[]) AS i (run_id, attempt)
- WHERE r.owner_run = i.run_id
+  JOIN wq_runs w ON w.id = i.run_id
+ WHERE w.attempt = i.attempt
+   AND w.state = 'running'
+   AND w.lease_owner = %(owner)s
+   AND r.owner_run = i.run_id
    AND r.owner_attempt = i.attempt
    AND r.status = 'claimed';

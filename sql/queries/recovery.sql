@@ -2,9 +2,11 @@
 --
 -- Lock order, in every statement here (and the Python that strings them together):
 --   1. wq_runs rows, FOR UPDATE SKIP LOCKED (adopt: FOR UPDATE, ordered by id);
---   2. the wq_lanes rows the batch will spawn on, one at a time in name order: FOR SHARE,
---      or the exclusive row lock of lanes.prepare for a lane that must be re-prepared;
---   3. procrastinate_jobs rows (the runs' old jobs; new jobs are fresh inserts).
+--   2. the wq_lanes rows the batch will spawn on, one at a time in name order, FOR SHARE
+--      (a lane row is never deleted, so serving a historic run on a drained or reclaimed
+--      lane needs only that lock, and never reopens the lane to admissions);
+--   3. the runs' old jobs, through the transport (wq_transport_*, migration 0013; new jobs
+--      are fresh inserts).
 -- The other lockers fit around it: admission holds a lane FOR SHARE and only inserts; a
 -- reclaim holds a lane FOR UPDATE and then only locks todo jobs, which recovery never
 -- holds (its old jobs are 'doing' or dead, and adopt cancels todo jobs SKIP LOCKED);
@@ -22,10 +24,15 @@
 -- spend the retry budget (a sleep's wake or a hand-back is an attempt but not a failure).
 SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expires_at,
        1 + (SELECT count(*) FROM wq_attempts a
-             WHERE a.run_id = r.id AND a.attempt < r.attempt
+             WHERE a.run_id = r.id AND a.attempt < r.attempt AND a.attempt > r.retry_floor
                AND a.outcome IN ('failed', 'lease_expired'))::int AS failures,
        r.cancel_requested_at IS NOT NULL AS cancel_requested, l.state::text AS lane_state,
-       l.retry_max_attempts, l.retry_base_s, l.retry_cap_s, l.retry_jitter
+       -- The run's own retry options over its lane's (migration 0015), as the claim reads.
+       coalesce(r.retry_max_attempts, l.retry_max_attempts) AS retry_max_attempts,
+       coalesce(r.retry_base_s, l.retry_base_s) AS retry_base_s,
+       coalesce(r.retry_cap_s, l.retry_cap_s) AS retry_cap_s,
+       coalesce(r.retry_jitter, l.retry_jitter) AS retry_jitter,
+       r.retry_kind, r.retry_factor
   FROM wq_runs r
   JOIN wq_lanes l ON l.name = r.lane
  WHERE r.state = 'running'
@@ -49,7 +56,7 @@ WITH input AS (
            CASE WHEN i.state = 'queued'
                 THEN coalesce(%(now)s::timestamptz, now()) + make_interval(secs => i.delay_s)
            END AS retry_at,
-           CASE WHEN i.spawn THEN nextval('procrastinate_jobs_id_seq') END AS new_job_id
+           CASE WHEN i.spawn THEN wq_transport_next_id() END AS new_job_id
       FROM wq_runs r
       JOIN input i ON i.run_id = r.id
      WHERE r.attempt = i.attempt
@@ -77,16 +84,15 @@ WITH input AS (
       FROM fenced f
      WHERE r.id = f.id
     RETURNING r.id
-), old_jobs AS (
-    UPDATE procrastinate_jobs j
-       SET status = 'failed', attempts = j.attempts + 1
+), jobs AS (
+    -- The transport: fail the lapsed attempts' jobs, spawn the retries. One row, read by the
+    -- final SELECT so that it runs.
+    SELECT wq_transport_settle(array_agg(f.old_job_id), array_agg(false)) AS settled,
+           wq_transport_spawn(array_agg(f.new_job_id) FILTER (WHERE f.spawn),
+                              array_agg(f.lane) FILTER (WHERE f.spawn),
+                              array_agg(f.id) FILTER (WHERE f.spawn),
+                              array_agg(f.retry_at) FILTER (WHERE f.spawn)) AS spawned
       FROM fenced f
-     WHERE j.id = f.old_job_id AND j.status = 'doing'
-), new_jobs AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, args, scheduled_at)
-    SELECT f.new_job_id, f.lane, 'wq.run', jsonb_build_object('run_id', f.id), f.retry_at
-      FROM fenced f
-     WHERE f.spawn
 ), attempts AS (
     UPDATE wq_attempts a
        SET outcome = 'lease_expired',
@@ -104,12 +110,18 @@ WITH input AS (
       FROM fenced f
 )
 SELECT f.id AS run_id, f.attempt, f.lane, f.state, f.new_job_id AS job_id, f.retry_at
-  FROM fenced f;
+  FROM fenced f
+ CROSS JOIN jobs;
 
 -- name: recovery_orphans_pick :many
--- Lock a batch of waiting runs with no live job: queued, due sleepers, woken waiters.
--- A live job is one in 'todo' or 'doing'; a missing, failed, cancelled or aborted job
--- (lost, or cancelled by a lane reclaim) leaves the run an orphan.
+-- Lock a batch of waiting runs with no waiting job: queued (a queued run with a cancel
+-- pending waits for its cleanup attempt), due sleepers, woken waiters (their org emitted
+-- the event since the run was admitted). A waiting job is one in 'todo'; a missing,
+-- failed, cancelled or aborted job leaves the run an orphan, and so does a delivered one
+-- ('doing': its claimer died between its claim and its drop, migration 0022). The job is
+-- probed by its key, one per run looked at (wq_transport_job_waiting): as a join,
+-- statistics analyzed while the lane was empty made it a read of every live job per
+-- queued run (migration 0021).
 SELECT r.id AS run_id, r.lane, r.release, r.state::text AS state, l.state::text AS lane_state,
        r.cancel_requested_at IS NOT NULL AS cancel_requested
   FROM wq_runs r
@@ -117,36 +129,39 @@ SELECT r.id AS run_id, r.lane, r.release, r.state::text AS state, l.state::text 
  WHERE (r.state = 'queued'
         OR (r.state = 'sleeping'
             AND (r.available_at <= coalesce(%(now)s::timestamptz, now())
-                 OR EXISTS (SELECT 1 FROM wq_emitted_events e WHERE e.name = r.wait_event))))
-   AND NOT EXISTS (SELECT 1 FROM procrastinate_jobs j
-                    WHERE j.id = r.job_id AND j.status IN ('todo', 'doing'))
+                 OR EXISTS (SELECT 1 FROM wq_emitted_events e
+                             WHERE e.org = r.org AND e.name = r.wait_event
+                               AND e.emitted_at >= r.created_at))))
+   AND NOT wq_transport_job_waiting(r.job_id)
  ORDER BY r.updated_at
  LIMIT %(batch)s
    FOR UPDATE OF r SKIP LOCKED;
 
 -- name: recovery_respawn_apply :many
--- Give locked orphans a new job on their lane (the same direct insert as run_submit).
+-- Give locked orphans a new job on their lane (the same spawn as run_submit).
 WITH fenced AS (
     SELECT r.id, r.lane, r.job_id AS old_job_id,
-           (SELECT j.status::text FROM procrastinate_jobs j WHERE j.id = r.job_id)
+           (SELECT j.status FROM wq_transport_jobs() j WHERE j.id = r.job_id)
                AS old_job_status,
            e.name IS NOT NULL AS woken, e.payload,
-           CASE WHEN r.state = 'queued' THEN 'orphan'
+           CASE WHEN r.state = 'queued' AND r.cancel_requested_at IS NOT NULL THEN 'cleanup'
+                WHEN r.state = 'queued' THEN 'orphan'
                 WHEN e.name IS NOT NULL THEN 'woken_waiter'
                 ELSE 'due_sleeper' END AS reason,
            CASE WHEN e.name IS NULL AND r.available_at > coalesce(%(now)s::timestamptz, now())
                 THEN r.available_at END AS scheduled_at,
-           nextval('procrastinate_jobs_id_seq') AS new_job_id
+           wq_transport_next_id() AS new_job_id
       FROM wq_runs r
-      LEFT JOIN wq_emitted_events e ON r.state = 'sleeping' AND e.name = r.wait_event
+      LEFT JOIN wq_emitted_events e
+             ON r.state = 'sleeping' AND e.org = r.org AND e.name = r.wait_event
+            AND e.emitted_at >= r.created_at
      WHERE r.id = ANY (%(run_ids)s::uuid[])
-       AND r.cancel_requested_at IS NULL
+       AND (r.cancel_requested_at IS NULL OR r.state = 'queued')
        AND (r.state = 'queued'
             OR (r.state = 'sleeping'
                 AND (r.available_at <= coalesce(%(now)s::timestamptz, now())
                      OR e.name IS NOT NULL)))
-       AND NOT EXISTS (SELECT 1 FROM procrastinate_jobs j
-                        WHERE j.id = r.job_id AND j.status IN ('todo', 'doing'))
+       AND NOT wq_transport_job_waiting(r.job_id)
        FOR UPDATE OF r
 ), runs AS (
     UPDATE wq_runs r
@@ -157,8 +172,9 @@ WITH fenced AS (
       FROM fenced f
      WHERE r.id = f.id
 ), jobs AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, args, scheduled_at)
-    SELECT f.new_job_id, f.lane, 'wq.run', jsonb_build_object('run_id', f.id), f.scheduled_at
+    -- One row, read by the final SELECT so that the spawn runs.
+    SELECT wq_transport_spawn(array_agg(f.new_job_id), array_agg(f.lane), array_agg(f.id),
+                              array_agg(f.scheduled_at)) AS spawned
       FROM fenced f
 ), events AS (
     INSERT INTO wq_events (run_id, kind, data)
@@ -174,10 +190,11 @@ SELECT f.id AS run_id, f.lane, f.reason,
        CASE WHEN f.old_job_id IS NULL THEN 'none'
             ELSE coalesce(f.old_job_status, 'missing') END AS old_job_status,
        f.new_job_id AS job_id
-  FROM fenced f;
+  FROM fenced f
+ CROSS JOIN jobs;
 
 -- name: recovery_cancel_orphans :many
--- Finish locked orphans whose cancellation was requested (a claim would only drop them).
+-- Finish locked sleepers whose cancellation was requested (a claim would only drop them).
 WITH done AS (
     UPDATE wq_runs r
        SET state = 'cancelled',
@@ -185,10 +202,9 @@ WITH done AS (
            finished_at = coalesce(%(now)s::timestamptz, now()),
            updated_at = now()
      WHERE r.id = ANY (%(run_ids)s::uuid[])
-       AND r.state IN ('queued', 'sleeping')
+       AND r.state = 'sleeping'
        AND r.cancel_requested_at IS NOT NULL
-       AND NOT EXISTS (SELECT 1 FROM procrastinate_jobs j
-                        WHERE j.id = r.job_id AND j.status IN ('todo', 'doing'))
+       AND NOT wq_transport_job_waiting(r.job_id)
     RETURNING r.id, r.cancel_reason
 ), events AS (
     INSERT INTO wq_events (run_id, kind, data)
@@ -204,12 +220,18 @@ SELECT name, state::text FROM wq_lanes WHERE name = %(name)s FOR SHARE;
 -- name: recovery_retention_runs :many
 -- Delete a batch of terminal runs past their lane's retention (cascades to their rows),
 -- with the receipts of their own run scope (named scopes outlive runs on purpose).
+-- The walk of wq_runs_finished_idx stops at the latest cutoff of any lane: without that
+-- bound a pass read every finished run kept (1.3 s a pass with 1,000,000 of them,
+-- bench.history) to find none expired.
 WITH doomed AS (
     SELECT r.id, r.org, r.play
       FROM wq_runs r
       JOIN wq_lanes l ON l.name = r.lane
      WHERE r.finished_at IS NOT NULL
        AND r.state IN ('succeeded', 'failed', 'cancelled')
+       AND r.finished_at < (SELECT coalesce(%(now)s::timestamptz, now())
+                                   - make_interval(secs => min(k.retention_s))
+                              FROM wq_lanes k)
        AND r.finished_at < coalesce(%(now)s::timestamptz, now())
                            - make_interval(secs => l.retention_s)
      ORDER BY r.finished_at
@@ -226,27 +248,39 @@ DELETE FROM wq_runs r
 RETURNING r.id, r.lane;
 
 -- name: recovery_retention_jobs :many
--- Delete a batch of finished run jobs whose last status change is past the lane's retention.
--- procrastinate_jobs has no timestamp of its own: the age is that of its latest event, as
--- in procrastinate's own delete_old_jobs. A job with no event is never deleted here. A
--- dead job a live run still points at may go too: the orphan pass treats a missing job
--- like a dead one.
-WITH doomed AS (
-    SELECT j.id
-      FROM procrastinate_jobs j
-      JOIN wq_lanes l ON l.name = j.queue_name
-     WHERE j.task_name = 'wq.run'
-       AND j.status IN ('succeeded', 'failed', 'cancelled', 'aborted')
-       AND (SELECT max(e.at) FROM procrastinate_events e WHERE e.job_id = j.id)
-           < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => l.retention_s)
-     ORDER BY j.id
-     LIMIT %(batch)s
-       FOR UPDATE OF j SKIP LOCKED
+-- Delete a batch of finished run jobs whose last status change is past the lane's retention
+-- (wq_transport_prune says how a job's age is read). A dead job a live run still points at
+-- may go too: the orphan pass treats a missing job like a dead one.
+SELECT p.id
+  FROM (SELECT array_agg(l.name) AS lanes,
+               array_agg(coalesce(%(now)s::timestamptz, now())
+                         - make_interval(secs => l.retention_s)) AS cutoffs
+          FROM wq_lanes l) c
+ CROSS JOIN wq_transport_prune(c.lanes, c.cutoffs, %(batch)s) AS p (id);
+
+-- name: recovery_retention_events :one
+-- Delete a batch of emitted events, and of refused-write log rows, past the event retention.
+WITH events AS (
+    DELETE FROM wq_emitted_events e
+     USING (SELECT org, name FROM wq_emitted_events
+             WHERE emitted_at < coalesce(%(now)s::timestamptz, now())
+                                - make_interval(secs => %(retention_s)s::float8)
+             ORDER BY emitted_at
+             LIMIT %(batch)s
+               FOR UPDATE SKIP LOCKED) d
+     WHERE e.org = d.org AND e.name = d.name
+    RETURNING 1
+), refusals AS (
+    DELETE FROM wq_refusals f
+     USING (SELECT id FROM wq_refusals
+             WHERE at < coalesce(%(now)s::timestamptz, now())
+                        - make_interval(secs => %(retention_s)s::float8)
+             ORDER BY at
+             LIMIT %(batch)s) d
+     WHERE f.id = d.id
+    RETURNING 1
 )
-DELETE FROM procrastinate_jobs j
- USING doomed d
- WHERE j.id = d.id
-RETURNING j.id;
+SELECT (SELECT count(*) FROM events) AS events, (SELECT count(*) FROM refusals) AS refusals;
 
 -- name: recovery_stranded :many
 -- Lanes whose unfinished runs no live worker serves (read only; reported, never fixed).
@@ -292,22 +326,17 @@ SELECT id
 -- the run pointing at the new job and drop the delivery.
 WITH moving AS (
     SELECT r.id, r.job_id AS old_job_id, j.scheduled_at,
-           CASE WHEN j.status = 'todo' THEN nextval('procrastinate_jobs_id_seq') END
-               AS new_job_id
+           CASE WHEN j.waiting THEN wq_transport_next_id() END AS new_job_id
       FROM wq_runs r
-      LEFT JOIN procrastinate_jobs j ON j.id = r.job_id
+      LEFT JOIN wq_transport_jobs() j ON j.id = r.job_id
      WHERE r.id = ANY (%(run_ids)s::uuid[])
        AND r.lane = %(from_lane)s
        AND r.state IN ('queued', 'running', 'sleeping')
 ), old_jobs AS (
-    UPDATE procrastinate_jobs j
-       SET status = 'cancelled'
-     WHERE j.id IN (SELECT o.id
-                      FROM procrastinate_jobs o
-                      JOIN moving m ON m.old_job_id = o.id
-                     WHERE m.new_job_id IS NOT NULL AND o.status = 'todo'
-                       FOR UPDATE OF o SKIP LOCKED)
-    RETURNING j.id
+    -- One row, read by the final SELECT so that it runs (as new_jobs).
+    SELECT wq_transport_withdraw(array_agg(m.old_job_id) FILTER (WHERE m.new_job_id IS NOT NULL))
+               AS withdrawn
+      FROM moving m
 ), runs AS (
     UPDATE wq_runs r
        SET lane = %(to_lane)s,
@@ -318,12 +347,10 @@ WITH moving AS (
      WHERE r.id = m.id
     RETURNING r.id
 ), new_jobs AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, args, scheduled_at)
-    SELECT m.new_job_id, %(to_lane)s, 'wq.run', jsonb_build_object('run_id', m.id),
-           m.scheduled_at
+    SELECT wq_transport_spawn(array_agg(m.new_job_id), array_agg(%(to_lane)s::text),
+                              array_agg(m.id), array_agg(m.scheduled_at)) AS spawned
       FROM moving m
      WHERE m.new_job_id IS NOT NULL
-    RETURNING id
 ), events AS (
     INSERT INTO wq_events (run_id, kind, data)
     SELECT m.id, 'adopted',
@@ -333,5 +360,5 @@ WITH moving AS (
       FROM moving m
 )
 SELECT (SELECT count(*) FROM runs) AS moved,
-       (SELECT count(*) FROM new_jobs) AS jobs_spawned,
-       (SELECT count(*) FROM old_jobs) AS jobs_cancelled;
+       (SELECT spawned FROM new_jobs) AS jobs_spawned,
+       (SELECT withdrawn FROM old_jobs) AS jobs_cancelled;

@@ -1,74 +1,32 @@
 -- name: run_submit :one
--- Admission in one statement: lane check under FOR SHARE, launch row, job, ledger event.
--- Lock order: the lane row (FOR SHARE, so a reclaim's FOR UPDATE waits for us), then the
--- idempotency index entry. Nothing is inserted unless the lane is prepared.
-WITH lane AS (
-    SELECT name, state FROM wq_lanes WHERE name = %(lane)s FOR SHARE
-), ids AS (
-    SELECT nextval('procrastinate_jobs_id_seq') AS job_id
-      FROM lane WHERE lane.state = 'prepared'
-), run AS (
-    INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id, authority)
-    SELECT %(id)s, %(org)s, %(play)s, %(params)s, %(release)s, %(lane)s, %(key)s, ids.job_id,
-           %(authority)s
-      FROM ids
-    ON CONFLICT (org, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, job_id, lane
-), job AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, priority, args)
-    SELECT run.job_id, run.lane, 'wq.run', %(priority)s, jsonb_build_object('run_id', run.id)
-      FROM run
-    RETURNING id
-), event AS (
-    INSERT INTO wq_events (run_id, kind, data)
-    SELECT run.id, 'run_created',
-           jsonb_build_object('play', %(play)s::text, 'lane', run.lane, 'org', %(org)s::text)
-      FROM run
-)
-SELECT (SELECT state::text FROM lane) AS lane_state,
-       (SELECT id FROM run) AS run_id,
-       (SELECT id FROM job) AS job_id;
+-- Admission in one statement: wq_submit (sql/migrations/0009) checks the lane under FOR
+-- SHARE, inserts the launch row, its job, its ledger event and its input pages, or answers
+-- an idempotent retry with the earlier run; it raises WQ001/WQ002/WQ003/WQ007.
+SELECT run_id, created, lane, job_id
+  FROM wq_submit(%(id)s, %(org)s, %(play)s, %(params)s::jsonb, %(release)s, %(lane)s, %(key)s,
+                 %(priority)s, %(authority)s, %(pages)s::jsonb[], %(count)s, %(digest)s);
 
--- name: run_by_key :one
--- The run an idempotency key already admitted (to answer created=false or a conflict).
-SELECT id, play, params, state::text, lane
-  FROM wq_runs
- WHERE org = %(org)s AND idempotency_key = %(key)s;
+-- name: run_submit_many :many
+-- Batch admission in one statement: wq_submit_many (sql/migrations/0014) admits N runs,
+-- each idempotent, in the batch's order, or refuses the whole batch (WQ001/2/3/7).
+SELECT run_id, created, lane, job_id
+  FROM wq_submit_many(%(ids)s::uuid[], %(orgs)s::text[], %(plays)s::text[],
+                      %(params)s::jsonb[], %(releases)s::text[], %(lanes)s::text[],
+                      %(keys)s::text[], %(priorities)s::int[], %(authorities)s::jsonb[]);
 
 -- name: run_claim_batch :many
 -- Take up to N due jobs of the lanes and start a new attempt on each of their runs.
--- A delivery whose run is terminal, cancelled, leased or not pointing at this job is
--- returned as dropped (claimed = false). SKIP LOCKED keeps claimers off each other's rows.
-WITH picked AS (
-    -- Per lane, an ordered walk of wq_jobs_lane_todo_idx (lane, priority, id) that stops
-    -- after N rows whatever the table statistics or other lanes' backlog; then the best N
-    -- over the lanes (one lane, unless the worker adopted others).
-    SELECT j.id
-      FROM unnest(%(lanes)s::text[]) AS lane (name)
-     CROSS JOIN LATERAL (
-            SELECT j.id, j.priority
-              FROM procrastinate_jobs j
-             WHERE j.status = 'todo'
-               AND j.queue_name = lane.name
-               AND j.task_name = 'wq.run'
-               AND (j.scheduled_at IS NULL
-                    OR j.scheduled_at <= coalesce(%(now)s::timestamptz, now()))
-             ORDER BY j.priority DESC, j.id
-             LIMIT %(limit)s
-               FOR UPDATE OF j SKIP LOCKED
-           ) j
-     ORDER BY j.priority DESC, j.id
-     LIMIT %(limit)s
-), taken AS (
-    UPDATE procrastinate_jobs j
-       SET status = 'doing', worker_id = %(procrastinate_worker)s
-      FROM picked
-     WHERE j.id = picked.id
-    -- Parsed only for the taken rows: a run id that is not a UUID comes back NULL (dropped).
-    RETURNING j.id,
-              CASE WHEN j.args ->> 'run_id'
-                        ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
-                   THEN (j.args ->> 'run_id')::uuid END AS run_id
+-- A delivery whose run is terminal, leased, sleeping with a cancel pending, or not pointing
+-- at this job is returned as dropped (claimed = false), and so is one whose run was
+-- admitted after this statement's snapshot (the transport takes jobs in a later one):
+-- job_drop sends that one back to its lane. A queued run with a cancel pending is claimed
+-- as a cleanup-only attempt (its lease lapsed before its cleanup hooks ran).
+WITH taken AS (
+    -- The transport's ordered, SKIP LOCKED walk of each lane's due jobs; a run id that is
+    -- not a UUID comes back NULL (dropped). Read to the end below, by the final SELECT.
+    SELECT t.job_id AS id, t.run_id
+      FROM wq_transport_take(%(lanes)s::text[], %(limit)s, %(procrastinate_worker)s,
+                             %(now)s::timestamptz) AS t
 ), claimed AS (
     UPDATE wq_runs r
        SET state = 'running',
@@ -83,65 +41,143 @@ WITH picked AS (
      WHERE r.id = taken.run_id
        AND l.name = r.lane
        AND r.job_id = taken.id
-       AND r.state IN ('queued', 'sleeping')
-       AND r.cancel_requested_at IS NULL
+       -- The state as text, here and in `unknown`: no index matches it, so the runs are
+       -- found by key, one probe per taken job. Compared as an enum, a plan made while
+       -- the statistics said few runs were queued read every queued run per claim (the
+       -- backlog) through wq_runs_lane_unfinished_idx.
+       AND (r.state::text = 'queued'
+            OR (r.state::text = 'sleeping' AND r.cancel_requested_at IS NULL))
        AND r.play = ANY (%(plays)s::text[])
+       -- Never started by its claim deadline: failed below (`unknown`), not run late.
+       AND (r.start_by IS NULL OR r.started_at IS NOT NULL
+            OR r.start_by >= coalesce(%(now)s::timestamptz, now()))
     RETURNING r.id, r.attempt, r.org, r.play, r.params, r.lane, r.release, r.job_id,
-              r.lease_expires_at, r.wake_payload, l.lease_ttl_s, l.heartbeat_s,
-              l.retry_max_attempts, l.retry_base_s, l.retry_cap_s, l.retry_jitter,
-              -- Failed attempts so far: sleeps and hand-backs do not spend the retry budget.
-              (SELECT count(*) FROM wq_attempts a
-                WHERE a.run_id = r.id AND a.outcome IN ('failed', 'lease_expired'))::int
-                  AS failures
+              r.lease_expires_at, r.wake_payload, r.created_at, r.authority,
+              r.cancel_requested_at IS NOT NULL AS cleanup,
+              l.lease_ttl_s, l.heartbeat_s,
+              -- The run's own options over its lane's policy (migration 0015).
+              coalesce(r.retry_max_attempts, l.retry_max_attempts) AS retry_max_attempts,
+              coalesce(r.retry_base_s, l.retry_base_s) AS retry_base_s,
+              coalesce(r.retry_cap_s, l.retry_cap_s) AS retry_cap_s,
+              coalesce(r.retry_jitter, l.retry_jitter) AS retry_jitter,
+              r.retry_kind, r.retry_factor,
+              r.started_at + make_interval(secs => coalesce(r.timeout_s,
+                                                            nullif(l.run_timeout_s, 0)))
+                  AS timeout_at,
+              r.meta,
+              l.max_interruptions,
+              -- Failed attempts so far: sleeps, hand-backs and interruptions do not spend
+              -- the retry budget; interruptions have a budget of their own. Only this
+              -- attempt sequence counts: an operator's retry set retry_floor. A first
+              -- attempt of the sequence (r.attempt is the new number) has none to count,
+              -- and reads nothing: most claims are first attempts, and a plan cached
+              -- while wq_attempts was small reads all of it per count.
+              CASE WHEN r.attempt - 1 > r.retry_floor THEN
+                  (SELECT count(*) FROM wq_attempts a
+                    WHERE a.run_id = r.id AND a.attempt > r.retry_floor
+                      AND a.outcome IN ('failed', 'lease_expired'))::int
+              ELSE 0 END AS failures,
+              CASE WHEN r.attempt - 1 > r.retry_floor THEN
+                  (SELECT count(*) FROM wq_attempts a
+                    WHERE a.run_id = r.id AND a.attempt > r.retry_floor
+                      AND a.outcome = 'interrupted')::int
+              ELSE 0 END AS interruptions
 ), unknown AS (
-    -- A play this release does not have can never run on this lane: fail the run at once
-    -- instead of burning attempts on it.
+    -- A play this release does not have can never run on this lane, and a run never
+    -- started by its claim deadline must not run late: fail the run at once (cancel it,
+    -- when that was asked) instead of burning attempts on it.
     UPDATE wq_runs r
-       SET state = 'failed',
-           error = jsonb_build_object(
-               'code', 'PLAY_UNKNOWN',
-               'message', 'play ' || r.play || ' is not registered in release ' || r.release),
+       SET state = CASE WHEN r.cancel_requested_at IS NULL THEN 'failed'
+                        ELSE 'cancelled' END::wq_run_state,
+           error = CASE WHEN r.play = ANY (%(plays)s::text[])
+                        THEN jsonb_build_object(
+                            'code', 'START_DEADLINE_PASSED',
+                            'message', 'the run was not started by its claim deadline '
+                                       || r.start_by)
+                        ELSE jsonb_build_object(
+                            'code', 'PLAY_UNKNOWN',
+                            'message', 'play ' || r.play || ' is not registered in release '
+                                       || r.release) END,
            job_id = NULL,
            finished_at = now(),
            updated_at = now()
       FROM taken
      WHERE r.id = taken.run_id
        AND r.job_id = taken.id
-       AND r.state IN ('queued', 'sleeping')
-       AND r.cancel_requested_at IS NULL
-       AND NOT (r.play = ANY (%(plays)s::text[]))
-    RETURNING r.id, r.play
+       AND (r.state::text = 'queued'
+            OR (r.state::text = 'sleeping' AND r.cancel_requested_at IS NULL))
+       AND (NOT (r.play = ANY (%(plays)s::text[]))
+            OR (r.started_at IS NULL
+                AND r.start_by < coalesce(%(now)s::timestamptz, now())))
+    RETURNING r.id, r.play, r.state, r.error ->> 'code' AS code
 ), unknown_event AS (
     INSERT INTO wq_events (run_id, kind, data)
-    SELECT id, 'run_failed', jsonb_build_object('code', 'PLAY_UNKNOWN', 'play', play)
+    SELECT id, CASE WHEN state = 'failed' THEN 'run_failed' ELSE 'run_cancelled' END,
+           jsonb_build_object('code', code, 'play', play)
       FROM unknown
 ), attempt AS (
     INSERT INTO wq_attempts (run_id, attempt, worker_id)
     SELECT id, attempt, %(worker)s FROM claimed
 ), event AS (
     INSERT INTO wq_events (run_id, attempt, kind, data)
-    SELECT id, attempt, 'attempt_started', jsonb_build_object('worker', %(worker)s::text)
+    SELECT id, attempt, CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
+           jsonb_build_object('worker', %(worker)s::text)
       FROM claimed
+), lazy AS (
+    -- The claim's commit need not wait for its WAL flush (queues.runs.claim says why its
+    -- loss is harmless); %(lazy)s: this statement is its own transaction (autocommit), so
+    -- the transaction-local setting reaches no other write.
+    SELECT set_config('synchronous_commit', 'off', true) AS setting
+     WHERE %(lazy)s::boolean
 )
 SELECT true AS claimed, c.id AS run_id, c.attempt, c.org, c.play, c.params, c.lane,
-       c.release, c.job_id, c.lease_expires_at, c.wake_payload, c.lease_ttl_s, c.heartbeat_s,
-       c.retry_max_attempts, c.retry_base_s, c.retry_cap_s, c.retry_jitter, c.failures
+       c.release, c.job_id, c.lease_expires_at, c.wake_payload, c.created_at, c.authority,
+       c.cleanup,
+       c.lease_ttl_s, c.heartbeat_s, c.retry_max_attempts, c.retry_base_s, c.retry_cap_s,
+       c.retry_jitter, c.max_interruptions, c.failures, c.interruptions,
+       c.retry_kind, c.retry_factor, c.timeout_at, c.meta
   FROM claimed c
+  LEFT JOIN lazy ON true
 UNION ALL
 SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, NULL
   FROM taken t
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 
 -- name: job_drop :exec
--- Acknowledge deliveries that carry no work (duplicate, late, or for a finished run).
-UPDATE procrastinate_jobs
-   SET status = 'succeeded', attempts = attempts + 1
- WHERE id = ANY (%(job_ids)s::bigint[]) AND status = 'doing';
+-- Settle deliveries a claim dropped. One whose run waits for exactly this job goes back to
+-- its lane: the claim could not see that run yet (see run_claim_batch), this statement
+-- can. Every other one is acknowledged (duplicate, late, or for a finished run).
+WITH delivery AS (
+    SELECT t.id,
+           EXISTS (SELECT 1 FROM wq_runs r
+                    WHERE r.id = t.run_id AND r.job_id = t.id
+                      AND (r.state = 'queued'
+                           OR (r.state = 'sleeping' AND r.cancel_requested_at IS NULL)))
+               AS waiting
+      FROM unnest(%(job_ids)s::bigint[], %(run_ids)s::uuid[]) AS t (id, run_id)
+)
+SELECT wq_transport_release(array_agg(d.id) FILTER (WHERE d.waiting)) AS released,
+       wq_transport_settle(array_agg(d.id) FILTER (WHERE NOT d.waiting),
+                           array_agg(true) FILTER (WHERE NOT d.waiting)) AS acknowledged
+  FROM delivery d;
 
 -- name: run_heartbeat :many
 -- Renew the leases of this worker's live attempts; a run missing from the answer lost its
 -- lease (rescued, superseded or cancelled) and its attempt must stop.
+-- Lock order: the runs in id order (`locked`), as run_finish_batch takes them. An UPDATE
+-- joined to an unnest locks in whatever order its join yields, and the heartbeat renews
+-- the very runs the finish loop is finishing: unordered, the two deadlocked ("deadlock
+-- detected ... while locking tuple ... in relation wq_runs"). The fence stays in the
+-- UPDATE, checked on the row version the lock yields.
+WITH locked AS (
+    SELECT r.id
+      FROM wq_runs r
+     WHERE r.id = ANY (%(run_ids)s::uuid[])
+     ORDER BY r.id
+       FOR NO KEY UPDATE OF r
+)
 UPDATE wq_runs r
    SET lease_expires_at = coalesce(%(now)s::timestamptz, now())
                           + make_interval(secs => l.lease_ttl_s)
@@ -152,11 +188,18 @@ UPDATE wq_runs r
    AND r.state = 'running'
    AND r.lease_owner = %(worker)s
    AND l.name = r.lane
+   AND r.id IN (SELECT id FROM locked)
 RETURNING r.id AS run_id, r.attempt, r.lease_expires_at, r.cancel_requested_at IS NOT NULL AS cancel;
 
 -- name: run_finish_batch :many
 -- Write the outcome of finished attempts, fenced: only where the run still carries the
--- attempt number and this worker's lease. Stale rows are simply absent from the answer.
+-- attempt number, is running and holds this worker's lease (checked under the run's row
+-- lock, in this statement). Cancel is final: while a cancel is pending only a `cancelled`
+-- outcome is applied; any other comes back `cancel_pending` and changes nothing (the
+-- worker then runs the cleanup hooks and writes `cancelled`). A write applied before whose
+-- reply was lost comes back `replayed`. Any other unfenced write is `refused`: logged in
+-- wq_refusals and (if it is the writer's own, still open) its attempt row marked
+-- superseded, nothing else written.
 -- Also finishes the delivering job, and spawns the next job (retry, hand-back, wake).
 WITH input AS (
     SELECT *
@@ -167,14 +210,20 @@ WITH input AS (
            AS i(run_id, attempt, state, outcome, result, error, spawn, spawn_at, wait_event,
                 kind)
 ), fenced AS (
-    SELECT r.id, r.job_id AS old_job_id, r.lane, i.*,
-           CASE WHEN i.spawn THEN nextval('procrastinate_jobs_id_seq') END AS new_job_id
+    SELECT r.id, r.job_id AS old_job_id, r.lane, i.attempt, i.state, i.outcome, i.result,
+           i.error, i.spawn, i.spawn_at, i.wait_event, i.kind,
+           (r.cancel_requested_at IS NOT NULL AND i.outcome <> 'cancelled') AS cancel_pending
       FROM wq_runs r
       JOIN input i ON i.run_id = r.id
      WHERE r.attempt = i.attempt
        AND r.state = 'running'
        AND r.lease_owner = %(worker)s
+     ORDER BY r.id
        FOR UPDATE OF r
+), applying AS (
+    SELECT f.*, CASE WHEN f.spawn THEN wq_transport_next_id() END AS new_job_id
+      FROM fenced f
+     WHERE NOT f.cancel_pending
 ), runs AS (
     UPDATE wq_runs r
        SET state = f.state::wq_run_state,
@@ -189,79 +238,139 @@ WITH input AS (
            finished_at = CASE WHEN f.state IN ('succeeded', 'failed', 'cancelled')
                               THEN now() END,
            updated_at = now()
-      FROM fenced f
+      FROM applying f
      WHERE r.id = f.id
     RETURNING r.id
-), old_jobs AS (
-    UPDATE procrastinate_jobs j
-       SET status = CASE WHEN f.outcome = 'succeeded' THEN 'succeeded'
-                         ELSE 'failed' END::procrastinate_job_status,
-           attempts = j.attempts + 1
-      FROM fenced f
-     WHERE j.id = f.old_job_id AND j.status = 'doing'
-), new_jobs AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, args, scheduled_at)
-    SELECT f.new_job_id, f.lane, 'wq.run', jsonb_build_object('run_id', f.id), f.spawn_at
-      FROM fenced f
-     WHERE f.spawn
+), jobs AS (
+    -- The transport: finish the delivering jobs and spawn the next ones (retry, hand-back,
+    -- wake), one call each for the batch. One row, read by the final SELECT so that it runs.
+    SELECT wq_transport_settle(array_agg(f.old_job_id), array_agg(f.outcome = 'succeeded'))
+               AS settled,
+           CASE WHEN bool_or(f.spawn)
+                THEN wq_transport_spawn(array_agg(f.new_job_id) FILTER (WHERE f.spawn),
+                                        array_agg(f.lane) FILTER (WHERE f.spawn),
+                                        array_agg(f.id) FILTER (WHERE f.spawn),
+                                        array_agg(f.spawn_at) FILTER (WHERE f.spawn))
+           END AS spawned
+      FROM applying f
 ), attempts AS (
     UPDATE wq_attempts a
        SET outcome = f.outcome::wq_attempt_outcome, error = f.error, finished_at = now()
-      FROM fenced f
+      FROM applying f
      WHERE a.run_id = f.id AND a.attempt = f.attempt
 ), events AS (
     INSERT INTO wq_events (run_id, attempt, kind, data)
     SELECT f.id, f.attempt, f.kind,
-           jsonb_strip_nulls(jsonb_build_object('error', f.error, 'spawn_at', f.spawn_at,
+           -- The event names the error; its traceback stays on the attempt and the run.
+           jsonb_strip_nulls(jsonb_build_object('error', f.error - 'traceback',
+                                                'spawn_at', f.spawn_at,
                                                 'wait_event', f.wait_event))
-      FROM fenced f
+      FROM applying f
+), refused AS (
+    -- Both checks are scalar subqueries, read per input row and the second only for a row
+    -- the fence did not take (rare): as anti joins, a plan cached while wq_attempts was
+    -- small read all of it on every finish.
+    SELECT i.run_id, i.attempt
+      FROM input i
+     WHERE CASE WHEN (SELECT EXISTS (SELECT 1 FROM fenced f
+                                      WHERE f.id = i.run_id AND f.attempt = i.attempt))
+                THEN false
+                -- An earlier copy of this very write (its reply lost) left its outcome on
+                -- the attempt.
+                ELSE (SELECT NOT EXISTS (
+                          SELECT 1 FROM wq_attempts a
+                           WHERE a.run_id = i.run_id AND a.attempt = i.attempt
+                             AND a.outcome::text = i.outcome AND a.finished_at IS NOT NULL))
+           END
+), refusal_log AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind)
+    SELECT run_id, attempt, %(worker)s, 'final' FROM refused
+), superseded AS (
+    -- Only the writer's own attempt: a refused write sent by another worker for the live
+    -- attempt's number must not close the live attempt.
+    UPDATE wq_attempts a
+       SET outcome = 'superseded', finished_at = now()
+      FROM refused x
+     WHERE a.run_id = x.run_id AND a.attempt = x.attempt AND a.outcome = 'running'
+       AND a.worker_id = %(worker)s
+       AND EXISTS (SELECT 1 FROM refused)  -- a one-time check: no refusal, nothing read
 )
-SELECT f.id, f.attempt FROM fenced f;
-
--- name: run_attempt_superseded :exec
--- Record that a stale attempt's final write was refused (its attempt row only).
-UPDATE wq_attempts
-   SET outcome = 'superseded', finished_at = now()
- WHERE run_id = %(run_id)s AND attempt = %(attempt)s AND outcome = 'running';
+SELECT i.run_id, i.attempt,
+       CASE WHEN f.id IS NOT NULL AND f.cancel_pending THEN 'cancel_pending'
+            WHEN f.id IS NOT NULL THEN 'applied'
+            WHEN x.run_id IS NOT NULL THEN 'refused'
+            ELSE 'replayed' END AS status
+  FROM input i
+ CROSS JOIN jobs
+  LEFT JOIN fenced f ON f.id = i.run_id AND f.attempt = i.attempt
+  LEFT JOIN refused x ON x.run_id = i.run_id AND x.attempt = i.attempt;
 
 -- name: run_cancel :one
--- Cancel a run in one statement: durable request, immediate stop of a queued/sleeping run
--- and its waiting job; a running attempt is told via NOTIFY and writes 'cancelled' itself.
+-- Cancel a run in one statement. A queued run with no request pending, or a sleeping run,
+-- is cancelled at once with its waiting job; a running attempt gets a durable request and
+-- a NOTIFY, runs its cleanup hooks and writes `cancelled` itself (a queued run with a
+-- request pending is waiting for such a cleanup attempt). `force` cancels at once in every
+-- unfinished state, skipping cleanup: the live attempt's writes are refused from then on.
+-- A repeated cancel is harmless (it re-notifies a running attempt); a finished run stays.
 WITH target AS (
-    SELECT id, state, job_id FROM wq_runs WHERE id = %(run_id)s FOR UPDATE
+    SELECT id, state, job_id, attempt, cancel_requested_at
+      FROM wq_runs
+     WHERE id = %(run_id)s
+       FOR UPDATE
+), decided AS (
+    SELECT t.*,
+           t.state IN ('queued', 'sleeping', 'running')
+           AND (t.state = 'sleeping'
+                OR (t.state = 'queued' AND t.cancel_requested_at IS NULL)
+                OR %(force)s::boolean) AS now_,
+           t.state IN ('queued', 'sleeping', 'running') AND t.cancel_requested_at IS NULL
+               AS first_request
+      FROM target t
 ), req AS (
     UPDATE wq_runs r
        SET cancel_requested_at = coalesce(r.cancel_requested_at, now()),
            cancel_reason = coalesce(r.cancel_reason, %(reason)s),
-           state = CASE WHEN t.state IN ('queued', 'sleeping') THEN 'cancelled'::wq_run_state
-                        ELSE r.state END,
-           finished_at = CASE WHEN t.state IN ('queued', 'sleeping') THEN now()
-                              ELSE r.finished_at END,
-           job_id = CASE WHEN t.state IN ('queued', 'sleeping') THEN NULL ELSE r.job_id END,
+           state = CASE WHEN d.now_ THEN 'cancelled'::wq_run_state ELSE r.state END,
+           lease_owner = CASE WHEN d.now_ THEN NULL ELSE r.lease_owner END,
+           lease_expires_at = CASE WHEN d.now_ THEN NULL ELSE r.lease_expires_at END,
+           finished_at = CASE WHEN d.now_ THEN now() ELSE r.finished_at END,
+           job_id = CASE WHEN d.now_ THEN NULL ELSE r.job_id END,
+           wait_event = CASE WHEN d.now_ THEN NULL ELSE r.wait_event END,
            updated_at = now()
-      FROM target t
-     WHERE r.id = t.id AND t.state IN ('queued', 'sleeping', 'running')
-       AND r.cancel_requested_at IS NULL
+      FROM decided d
+     WHERE r.id = d.id AND (d.now_ OR d.first_request)
     RETURNING r.id, r.state
 ), job AS (
-    UPDATE procrastinate_jobs j
-       SET status = 'cancelled'
-      FROM target t, req
-     WHERE j.id = t.job_id AND j.status = 'todo' AND req.state = 'cancelled'
-    RETURNING j.id
+    -- The run's job: a waiting one is cancelled; a forced cancel aborts a delivery in flight.
+    -- One row, read by the final SELECT so that it runs.
+    SELECT wq_transport_stop(array_agg(d.job_id)) AS stopped
+      FROM decided d
+     WHERE d.now_
+), attempt AS (
+    UPDATE wq_attempts a
+       SET outcome = 'cancelled', finished_at = now(),
+           error = jsonb_build_object('code', 'CANCELLED_BY_FORCE')
+      FROM decided d
+     WHERE d.now_ AND d.state = 'running' AND a.run_id = d.id AND a.attempt = d.attempt
+       AND a.outcome = 'running'
 ), event AS (
     INSERT INTO wq_events (run_id, kind, data)
     SELECT req.id,
            CASE WHEN req.state = 'cancelled' THEN 'run_cancelled' ELSE 'cancel_requested' END,
-           jsonb_build_object('reason', %(reason)s::text)
+           jsonb_strip_nulls(jsonb_build_object(
+               'reason', %(reason)s::text,
+               'forced', CASE WHEN %(force)s::boolean THEN true END,
+               'by', %(actor)s::text))
       FROM req
 ), notify AS (
-    SELECT pg_notify('wq_control', json_build_object('cancel', req.id)::text) FROM req
-     WHERE req.state = 'running'
+    -- Also for a repeated request: a worker that missed the first NOTIFY hears this one.
+    SELECT wq_transport_notify_cancel(d.id)
+      FROM decided d
+     WHERE d.state = 'running' AND NOT d.now_
 )
 SELECT (SELECT state::text FROM target) AS before,
        (SELECT state::text FROM req) AS after,
-       (SELECT count(*) FROM job) AS jobs_cancelled,
+       (SELECT stopped FROM job) AS jobs_cancelled,
        (SELECT count(*) FROM notify) AS notified;
 
 -- name: run_get :one
@@ -286,11 +395,12 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
  LIMIT %(limit)s;
 
 -- name: run_events :many
--- The ledger of a run after a given event id.
-SELECT id, run_id, attempt, kind, data, at
+-- The ledger of a run after a given seq, in seq order (commit order: a follower that reads
+-- after the last seq it saw never misses an event).
+SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
   FROM wq_events
- WHERE run_id = %(run_id)s AND id > %(after)s
- ORDER BY id;
+ WHERE run_id = %(run_id)s AND seq > %(after)s
+ ORDER BY seq;
 
 -- name: run_attempts :many
 -- Every attempt of a run.
@@ -307,30 +417,48 @@ ON CONFLICT (id) DO UPDATE
    SET lanes = excluded.lanes, heartbeat_at = now(), stopped_at = NULL;
 
 -- name: worker_heartbeat :exec
--- Mark a worker alive (also procrastinate's worker row).
+-- Mark a worker alive (also its registration with the transport).
 WITH w AS (
     UPDATE wq_workers SET heartbeat_at = now() WHERE id = %(id)s RETURNING procrastinate_id
 )
-UPDATE procrastinate_workers p SET last_heartbeat = now() FROM w WHERE p.id = w.procrastinate_id;
+SELECT wq_transport_beat(w.procrastinate_id) FROM w;
 
 -- name: worker_stop :exec
 -- Mark a worker stopped.
 UPDATE wq_workers SET stopped_at = now() WHERE id = %(id)s;
 
 -- name: event_lock :exec
--- Serialize emit and wait on one event name (transaction-scoped), so no wake-up is lost.
-SELECT pg_advisory_xact_lock(hashtextextended('wq_event:' || %(name)s, 0));
+-- Serialize emits and waits on one (org, event name), transaction-scoped: no lost wake-up.
+SELECT pg_advisory_xact_lock(hashtextextended('wq_event:' || %(org)s || ':' || %(name)s, 0));
 
 -- name: event_emit :one
--- Record the first emit of an event (first wins) and wake the runs waiting for it.
-WITH emitted AS (
-    INSERT INTO wq_emitted_events (name, payload) VALUES (%(name)s, %(payload)s)
-    ON CONFLICT (name) DO NOTHING
-    RETURNING name, payload
+-- Record an emit of an org's event (the latest emit of a name is kept, with its time) and
+-- wake that org's runs waiting for it. From a play (run_id given) the emit is fenced by its
+-- attempt like every other write: refused and logged when the attempt is stale.
+WITH run AS (
+    SELECT id, attempt, state, lease_owner, org
+      FROM wq_runs
+     WHERE id = %(run_id)s::uuid
+       FOR SHARE  -- the fence: a rescue or a newer claim waits for this emit, or refuses it
+), allowed AS (
+    SELECT %(run_id)s::uuid IS NULL
+           OR EXISTS (SELECT 1 FROM run
+                       WHERE attempt = %(attempt)s AND state = 'running'
+                         AND lease_owner = %(owner)s AND org = %(org)s) AS ok
+), emitted AS (
+    INSERT INTO wq_emitted_events (org, name, payload, emitted_at)
+    SELECT %(org)s, %(name)s, %(payload)s, clock_timestamp()
+      FROM allowed WHERE allowed.ok
+    ON CONFLICT (org, name) DO UPDATE
+       SET payload = excluded.payload, emitted_at = excluded.emitted_at
+    RETURNING org, name, payload
 ), waiting AS (
-    SELECT r.id, r.lane, nextval('procrastinate_jobs_id_seq') AS job_id
+    SELECT r.id, r.lane, wq_transport_next_id() AS job_id
       FROM wq_runs r, emitted e
-     WHERE r.state = 'sleeping' AND r.wait_event = e.name
+     WHERE r.state = 'sleeping' AND r.org = e.org AND r.wait_event = e.name
+       AND r.cancel_requested_at IS NULL
+       AND r.wake_payload IS NULL  -- already woken, its wake-up job pending: once is enough
+     ORDER BY r.id
        FOR UPDATE OF r
 ), woken AS (
     UPDATE wq_runs r
@@ -339,26 +467,29 @@ WITH emitted AS (
      WHERE r.id = w.id
     RETURNING r.id
 ), jobs AS (
-    INSERT INTO procrastinate_jobs (id, queue_name, task_name, args)
-    SELECT w.job_id, w.lane, 'wq.run', jsonb_build_object('run_id', w.id) FROM waiting w
+    -- One row, read by the final SELECT so that the spawn runs.
+    SELECT wq_transport_spawn(array_agg(w.job_id), array_agg(w.lane), array_agg(w.id))
+               AS spawned
+      FROM waiting w
 ), events AS (
     INSERT INTO wq_events (run_id, kind, data)
     SELECT w.id, 'event_received', jsonb_build_object('event', %(name)s::text) FROM waiting w
+), refusal AS (
+    INSERT INTO wq_refusals (run_id, attempt, worker_id, kind)
+    SELECT %(run_id)s::uuid, %(attempt)s, %(owner)s, 'emit'
+      FROM allowed WHERE NOT allowed.ok
 )
-SELECT (SELECT count(*) FROM emitted) AS first, (SELECT count(*) FROM woken) AS woken;
+SELECT (SELECT ok FROM allowed) AS fenced,
+       (SELECT count(*) FROM woken) AS woken,
+       (SELECT attempt FROM run) AS run_attempt,
+       (SELECT state::text FROM run) AS run_state
+  FROM jobs;
 
 -- name: event_get :one
--- The recorded payload of an emitted event, if it was emitted.
-SELECT payload, emitted_at FROM wq_emitted_events WHERE name = %(name)s;
-
--- name: run_input_insert :exec
--- Store a submit's input rows as pages (same transaction as the launch row) and count them.
-WITH pages AS (
-    INSERT INTO wq_run_inputs (run_id, page, rows)
-    SELECT %(run_id)s, p.page, p.rows
-      FROM unnest(%(pages)s::int[], %(rows)s::jsonb[]) AS p(page, rows)
-)
-UPDATE wq_runs SET input_rows = %(count)s WHERE id = %(run_id)s;
+-- The latest emit of an org's event at or after a time (a run's admission), if any.
+SELECT payload, emitted_at
+  FROM wq_emitted_events
+ WHERE org = %(org)s AND name = %(name)s AND emitted_at >= %(since)s;
 
 -- name: run_input_page :one
 -- One page of a run's input rows (NULL past the last page).

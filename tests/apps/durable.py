@@ -1,13 +1,17 @@
 """Plays for the durable-execution tests (steps, sleep, events, crash and resume).
 
-Side effects are counted in ``test_side_effects`` (created by :func:`ensure_tables`), so a
-test can prove a completed step never ran again.
+Side effects are counted in ``test_side_effects``, so a test can prove a completed step
+never ran again. Like any app's plays, they write their own data through a connection the
+app configures itself (``TEST_SIDE_EFFECTS_URL``), never through the worker's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
+
+import psycopg
 
 from queues import sheets
 from worker.context import RunContext, Sheet
@@ -25,8 +29,13 @@ CREATE TABLE IF NOT EXISTS test_side_effects (
 """
 
 
+def own_database() -> str:
+    """The app's own database (a play holds no connection of the worker's)."""
+    return os.environ["TEST_SIDE_EFFECTS_URL"]
+
+
 async def side_effect(ctx: RunContext, key: str) -> None:
-    async with ctx.connection() as conn:
+    async with await psycopg.AsyncConnection.connect(own_database(), autocommit=True) as conn:
         await conn.execute(
             "INSERT INTO test_side_effects (run_id, key, attempt) VALUES (%s, %s, %s)",
             (ctx.run_id, key, ctx.attempt),
@@ -54,13 +63,13 @@ async def sleeper(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
 @registry.play("waiter")
 async def waiter(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     """Waits for an event, then records one side effect."""
-    payload = await ctx.wait_for_event(str(params["event"]), timeout=params.get("timeout"))
+    got = await ctx.wait_for_event(str(params["event"]), timeout=params.get("timeout"))
 
     async def woke() -> None:
-        await side_effect(ctx, "woke")
+        await side_effect(ctx, "woke" if got.received else "timed_out")
 
     await ctx.step("woke", woke)
-    return {"payload": payload}
+    return {"received": got.received, "payload": got.payload}
 
 
 @registry.play("paid-rows")
@@ -101,7 +110,7 @@ async def _paid_chunk(
     paid = await ctx.steps_done(keys)
     fresh = [k for k in keys if k not in paid]
     if fresh:
-        async with ctx.connection() as conn:
+        async with await psycopg.AsyncConnection.connect(own_database(), autocommit=True) as conn:
             await conn.execute(
                 "INSERT INTO test_side_effects (run_id, key, attempt) "
                 "SELECT %s, k, %s FROM unnest(%s::text[]) AS k",

@@ -34,3 +34,11 @@ async def echo(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
 async def boom(ctx: RunContext, params: dict[str, Any]) -> None:
     """Always fails (a retryable error)."""
     raise RuntimeError(f"boom on attempt {ctx.attempt}")
+
+
+@registry.play("unstorable")
+async def unstorable(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Returns a value Postgres cannot store (NUL, a lone surrogate or NaN, per params)."""
+    kind = params.get("kind", "nul")
+    value: Any = {"nul": "a\x00b", "surrogate": "\ud800", "nan": float("nan")}[kind]
+    return {"value": value}

@@ -20,6 +20,7 @@ from queues.admission import Submission
 from queues.errors import (
     IdempotencyConflict,
     InvalidField,
+    LaneDraining,
     LaneNotPrepared,
     LaneReclaimed,
     PayloadTooLarge,
@@ -98,7 +99,12 @@ async def test_unprepared_lane_refuses_loudly_writes_nothing_then_succeeds_after
         " WHERE id = %(id)s",
         {"id": admitted.job_id},
     )
-    assert await cur.fetchone() == (f"r-{rel}", "wq.run", "todo", {"run_id": str(admitted.run_id)})
+    assert await cur.fetchone() == (
+        f"r-{rel}",
+        "wq.run",
+        "todo",
+        {"run_id": str(admitted.run_id), "org": "default"},  # the org: the claim's fair order
+    )
 
 
 async def test_draining_and_reclaimed_lanes_refuse_admission(tx: Conn) -> None:
@@ -108,12 +114,21 @@ async def test_draining_and_reclaimed_lanes_refuse_admission(tx: Conn) -> None:
     await lanes.prepare(tx, reclaimed)
     await lanes.reclaim(tx, reclaimed)
     before = await counts(tx)
-    with pytest.raises(LaneNotPrepared, match="is draining"):
+    with pytest.raises(LaneDraining, match="is draining") as drained:
         await admission.submit(tx, Submission(play="noop", release=draining))
+    assert drained.value.code == "LANE_DRAINING"
+    assert f"worker queues reopen {draining}" in (drained.value.fix or "")
     with pytest.raises(LaneReclaimed) as err:
         await admission.submit(tx, Submission(play="noop", release=reclaimed))
     assert err.value.code == "LANE_RECLAIMED" and f"r-{reclaimed}" in err.value.message
     assert await counts(tx) == before
+    # Lazy preparation never reopens them; only the operator's reopen does (and then works).
+    for closed in (draining, reclaimed):
+        assert (await lanes.prepare(tx, closed)).state != "prepared"
+    with pytest.raises(LaneReclaimed):
+        await admission.submit(tx, Submission(play="noop", release=reclaimed))
+    await lanes.reopen(tx, reclaimed)
+    assert (await admission.submit(tx, Submission(play="noop", release=reclaimed))).created
 
 
 async def test_same_key_returns_the_run_and_other_request_conflicts(tx: Conn) -> None:
@@ -192,7 +207,6 @@ async def test_unsafe_release_names_are_refused_before_any_sql(tx: Conn, bad: st
         await admission.Admitter().submit(
             tx,
             Submission(play="noop", release=bad),
-            url="unused://never-connected",
             known_plays=frozenset({"noop"}),
         )
     assert err.value.code == "FIELD_INVALID" and err.value.field == "release"
@@ -206,7 +220,6 @@ async def test_unknown_play_is_refused_with_a_suggestion(tx: Conn) -> None:
         await admission.Admitter().submit(
             tx,
             Submission(play="enrihc", release=release()),
-            url="unused",
             known_plays=frozenset({"enrich", "noop"}),
         )
     assert err.value.code == "PLAY_UNKNOWN"
@@ -222,7 +235,7 @@ async def test_oversized_params_are_refused(tx: Conn) -> None:
         await admission.submit(
             tx, Submission(play="noop", release=rel, params={"blob": "x" * (300 * 1024)})
         )
-    with pytest.raises(InvalidField, match=r"not JSON-serialisable"):
+    with pytest.raises(InvalidField, match=r"params is not JSON"):
         await admission.submit(tx, Submission(play="noop", release=rel, params={"x": float("nan")}))
     assert await counts(tx) == before
 
@@ -230,11 +243,10 @@ async def test_oversized_params_are_refused(tx: Conn) -> None:
 async def test_lazy_preparation_and_one_log_line_naming_the_lane(tx: Conn) -> None:
     """An ordinary (not admission-only) caller prepares the lane on its first submit."""
     rel = release()
-    url = f"memo-key-{rel}"  # the memo's key only; the contract check runs on ``tx``
     admitter = admission.Admitter(max_concurrent=2)
     with structlog.testing.capture_logs() as logs:
         admitted = await admitter.submit(
-            tx, Submission(play="noop", release=rel), url=url, known_plays=frozenset({"noop"})
+            tx, Submission(play="noop", release=rel), known_plays=frozenset({"noop"})
         )
     assert admitted.created
     lane = await lanes.get(tx, f"r-{rel}")

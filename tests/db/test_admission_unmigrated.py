@@ -25,7 +25,7 @@ async def test_admission_only_submit_on_an_unmigrated_database_names_the_fix(
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
             with pytest.raises(SchemaContractMismatch, match="worker migrate"):
                 await admission.Admitter(admission_only=True).submit(
-                    conn, admission.Submission(play="noop", release="x"), url=url
+                    conn, admission.Submission(play="noop", release="x")
                 )
     finally:
         await drop_database(pg_admin_url, name)

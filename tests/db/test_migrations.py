@@ -2,58 +2,31 @@
 
 Empty databases are created with ``CREATE DATABASE`` on the session's server (not cloned
 from the migrated template), so ``migrate`` runs procrastinate's schema and ours from zero.
+How procrastinate's own chain moves forward is tested in ``test_procrastinate_chain.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import re
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from conftest import drop_database, with_dbname
 
 from queues import migrations
 from queues.errors import SchemaContractMismatch
 
 Conn = psycopg.AsyncConnection[Any]
 WORKER = Path(sys.executable).parent / "worker"
+PROCRASTINATE = migrations.installed_procrastinate()
 ALL_NAMES = [m.name for m in migrations.code_migrations()]
-_counter = itertools.count()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_memo() -> Iterator[None]:
-    migrations.forget_verified()
-    yield
-    migrations.forget_verified()
-
-
-@pytest.fixture
-async def empty_db(pg_admin_url: str) -> AsyncIterator[Callable[[], Awaitable[str]]]:
-    """A factory of brand-new, never-migrated databases, all dropped after the test."""
-    made: list[str] = []
-
-    async def make() -> str:
-        name = f"wq_empty_{os.getpid()}_{next(_counter)}"
-        async with await psycopg.AsyncConnection.connect(pg_admin_url, autocommit=True) as a:
-            await a.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-            await a.execute(f"CREATE DATABASE {name}")
-        made.append(name)
-        return with_dbname(pg_admin_url, name)
-
-    try:
-        yield make
-    finally:
-        for name in made:
-            await drop_database(pg_admin_url, name)
+# What `migrate` applies to an empty database: procrastinate's schema.sql, then ours.
+ALL_STEPS = [f"procrastinate/schema.sql@{PROCRASTINATE.version}", *ALL_NAMES]
 
 
 async def connect(url: str) -> Conn:
@@ -64,6 +37,14 @@ async def tracking_rows(url: str) -> list[tuple[str, str]]:
     async with await connect(url) as conn:
         cur = await conn.execute("SELECT name, checksum FROM wq_migrations ORDER BY name")
         return [(str(n), str(c)) for n, c in await cur.fetchall()]
+
+
+async def procrastinate_rows(url: str) -> list[tuple[str, str, str | None]]:
+    async with await connect(url) as conn:
+        cur = await conn.execute(
+            "SELECT name, applied_as, package FROM wq_procrastinate_migrations ORDER BY name"
+        )
+        return [(str(n), str(a), p) for n, a, p in await cur.fetchall()]
 
 
 async def contract_row(url: str) -> tuple[int, str, Any]:
@@ -109,9 +90,9 @@ async def test_migrate_empty_database_then_again_applies_nothing(empty_db: Any) 
     url = await empty_db()
     async with await connect(url) as conn:
         first = await migrations.migrate(conn)
-    assert first.applied == ALL_NAMES
-    assert first.applied[0] == migrations.PROCRASTINATE_ENTRY == "0000_procrastinate_schema"
+    assert first.applied == ALL_STEPS
     assert first.contract == migrations.code_contract()
+    assert first.procrastinate_version == PROCRASTINATE.version
 
     version, checksum, stamped = await contract_row(url)
     async with await connect(url) as conn:
@@ -123,6 +104,10 @@ async def test_migrate_empty_database_then_again_applies_nothing(empty_db: Any) 
 
     code = migrations.code_migrations()
     assert await tracking_rows(url) == sorted((m.name, m.checksum) for m in code)
+    # procrastinate's schema is recorded by version (its latest migration), never checksummed.
+    assert await procrastinate_rows(url) == [
+        (PROCRASTINATE.version, "schema", PROCRASTINATE.package)
+    ]
     assert (version, checksum) == (
         migrations.code_contract().version,
         migrations.code_contract().checksum,
@@ -143,8 +128,8 @@ async def test_four_concurrent_migrators_apply_each_file_once(empty_db: Any) -> 
         for c in conns:
             await c.close()
     # The advisory lock serialises them: one applies everything, the others find it done.
-    assert sorted(len(r.applied) for r in reports) == [0, 0, 0, len(ALL_NAMES)]
-    assert sorted(name for r in reports for name in r.applied) == sorted(ALL_NAMES)
+    assert sorted(len(r.applied) for r in reports) == [0, 0, 0, len(ALL_STEPS)]
+    assert sorted(name for r in reports for name in r.applied) == sorted(ALL_STEPS)
     assert all(r.contract == migrations.code_contract() for r in reports)
     assert [n for n, _ in await tracking_rows(url)] == sorted(ALL_NAMES)
 
@@ -165,7 +150,7 @@ async def test_four_concurrent_migrate_subprocesses(empty_db: Any) -> None:
     for proc, (out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
         assert "error[" not in err and "Traceback" not in err, err
-    assert sorted(applied_count(out) for out, _ in outputs) == [0, 0, 0, len(ALL_NAMES)]
+    assert sorted(applied_count(out) for out, _ in outputs) == [0, 0, 0, len(ALL_STEPS)]
     assert [n for n, _ in await tracking_rows(url)] == sorted(ALL_NAMES)
     version, checksum, _ = await contract_row(url)
     assert migrations.Contract(version, checksum) == migrations.code_contract()
@@ -180,12 +165,14 @@ async def test_check_on_empty_database_lists_everything_and_writes_nothing(
     url = await empty_db()
     res = worker("migrate", "--check", url=url)
     assert res.returncode == 1, res
-    assert f"pending migrations ({len(ALL_NAMES)}):" in res.stdout
+    assert f"pending migrations ({len(ALL_STEPS)}):" in res.stdout
     listed = [line.strip() for line in res.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ALL_NAMES
+    assert listed == ALL_STEPS
     async with await connect(url) as conn:  # --check is read-only: no tracking table made
-        cur = await conn.execute("SELECT to_regclass('wq_migrations')")
-        assert (await cur.fetchone()) == (None,)
+        cur = await conn.execute(
+            "SELECT to_regclass('wq_migrations'), to_regclass('wq_procrastinate_migrations')"
+        )
+        assert (await cur.fetchone()) == (None, None)
 
 
 async def test_check_on_database_missing_last_row_lists_it(db_url: str) -> None:
@@ -204,6 +191,7 @@ async def test_check_on_current_database_exits_zero(db_url: str) -> None:
     assert res.returncode == 0, res
     contract = migrations.code_contract()
     assert f"schema is current: version {contract.version}" in res.stdout
+    assert f"procrastinate schema {PROCRASTINATE.version}" in res.stdout
     assert "pending" not in res.stdout
 
 
@@ -215,7 +203,7 @@ async def test_verify_never_migrated_database(empty_db: Any) -> None:
     expected = migrations.code_contract()
     async with await connect(url) as conn:
         with pytest.raises(SchemaContractMismatch) as info:
-            await migrations.verify_contract(conn, url=url)
+            await migrations.verify_contract(conn)
     message = str(info.value)
     assert f"expects version {expected.version}" in message
     assert "never migrated" in message
@@ -228,7 +216,7 @@ async def test_verify_other_version_names_both_and_failure_is_not_cached(db_url:
     async with await connect(db_url) as conn:
         await conn.execute("UPDATE wq_schema_contract SET version = 9999, checksum = 'feedface'")
         with pytest.raises(SchemaContractMismatch) as info:
-            await migrations.verify_contract(conn, url=db_url)
+            await migrations.verify_contract(conn)
         message = str(info.value)
         assert f"version {expected.version}" in message
         assert "version 9999" in message and "feedface" in message
@@ -240,26 +228,29 @@ async def test_verify_other_version_names_both_and_failure_is_not_cached(db_url:
             {"v": expected.version},
         )
         with pytest.raises(SchemaContractMismatch):
-            await migrations.verify_contract(conn, url=db_url)
+            await migrations.verify_contract(conn)
 
         # Fixed in the same process: the failure was not cached, verification now passes.
         await conn.execute(
             "UPDATE wq_schema_contract SET checksum = %(c)s", {"c": expected.checksum}
         )
-        await migrations.verify_contract(conn, url=db_url)
+        await migrations.verify_contract(conn)
 
 
-async def test_verify_success_is_memoized_per_url_until_forgotten(db_url: str) -> None:
+async def test_a_verified_schema_is_remembered_by_its_owner_until_forgotten(db_url: str) -> None:
+    verified = migrations.VerifiedSchema()
     async with await connect(db_url) as conn:
-        await migrations.verify_contract(conn, url=db_url)
+        await verified.verify(conn)
         await conn.execute("UPDATE wq_schema_contract SET version = 1, checksum = 'broken'")
-        await migrations.verify_contract(conn, url=db_url)  # memoized: no query
-        # The memo is per (url, schema): another key verifies for real.
+        await verified.verify(conn)  # remembered: no query
+        # Another owner (another database, another schema) verifies for real.
         with pytest.raises(SchemaContractMismatch):
-            await migrations.verify_contract(conn, url=db_url, schema="other")
-        migrations.forget_verified()
+            await migrations.VerifiedSchema(schema="other").verify(conn)
         with pytest.raises(SchemaContractMismatch):
-            await migrations.verify_contract(conn, url=db_url)
+            await migrations.verify_contract(conn)
+        verified.forget()
+        with pytest.raises(SchemaContractMismatch):
+            await verified.verify(conn)
 
 
 async def _lock_is_free(url: str) -> bool:
@@ -277,7 +268,7 @@ async def _lock_is_free(url: str) -> bool:
 
 
 async def test_edited_migration_is_refused_by_pending_and_migrate(db_url: str) -> None:
-    edited = ALL_NAMES[1]
+    edited = ALL_NAMES[0]
     async with await connect(db_url) as conn:
         await conn.execute(
             "UPDATE wq_migrations SET checksum = 'x' WHERE name = %(n)s", {"n": edited}

@@ -15,9 +15,10 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import admission, lanes, recovery, runs
+from queues import admission, lanes, outcomes, recovery, runs
 from queues.errors import InvalidField, LaneReclaimed
 from queues.lanes import RetryPolicy
+from queues.outcomes import FinishStatus
 from queues.queries import q
 
 Conn = psycopg.AsyncConnection[Any]
@@ -121,10 +122,10 @@ async def test_expired_lease_is_retried_on_a_new_job_per_policy(conn: Conn) -> N
 
     # The dead attempt is fenced: its heartbeat and its final write are refused.
     assert await heartbeat(conn, dead, 1, now=at) == []
-    assert (
-        await runs.finish(conn, worker_id="w1", finishes=[runs.succeeded(dead, 1, {"late": True})])
-        == set()
-    )
+    late = [outcomes.succeeded(dead, 1, {"late": True})]
+    assert await runs.finish(conn, worker_id="w1", finishes=late) == {
+        (dead, 1): FinishStatus.REFUSED
+    }
     # A second pass at the same time finds nothing more to do.
     again = await recovery.run_once(conn, now=at)
     assert again.expired == () and again.respawned == ()
@@ -161,13 +162,13 @@ async def test_only_failed_or_lapsed_attempts_spend_the_retry_budget(conn: Conn)
         conn,
         worker_id="w1",
         finishes=[
-            runs.suspended(napper, 1, wake_at=T0, wait_event=None),
-            runs.failed(
+            outcomes.suspended(napper, 1, wake_at=T0, wait_event=None),
+            outcomes.failed(
                 failer, 1, {"type": "Boom"}, policy, now=T0 - timedelta(seconds=10), failure=1
             ),
         ],
     )
-    assert applied == {(napper, 1), (failer, 1)}
+    assert applied == {(napper, 1): FinishStatus.APPLIED, (failer, 1): FinishStatus.APPLIED}
     assert {c.run_id for c in await claim(conn, name)} == {napper, failer}  # attempts 2
     at = T0 + timedelta(seconds=TTL + 1)
 
@@ -181,15 +182,49 @@ async def test_only_failed_or_lapsed_attempts_spend_the_retry_budget(conn: Conn)
     }
 
 
-async def test_expired_lease_of_a_cancelled_run_cancels_it(conn: Conn) -> None:
+async def test_expired_lease_with_a_cancel_pending_gets_a_cleanup_attempt(conn: Conn) -> None:
     name = await lane(conn, lease_ttl_s=TTL)
     run_id = await submit(conn)
     await claim(conn, name)
     await runs.cancel(conn, run_id, reason="operator")  # the attempt died before it heard
+    at = T0 + timedelta(seconds=TTL + 1)
 
-    report = await recovery.run_once(conn, now=T0 + timedelta(seconds=TTL + 1))
+    report = await recovery.run_once(conn, now=at)
 
-    assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "cancelled")]
+    # Not cancelled yet: its cleanup hooks never ran. It is queued for a cleanup-only attempt.
+    [rescued] = report.expired
+    assert (rescued.run_id, rescued.state) == (run_id, "queued")
+    assert rescued.retry_at == at  # at once: a cleanup does not back off
+    assert (await runs.get(conn, run_id)).state == "queued"
+    # A second cancel does not skip the cleanup; a claim takes the run as a cleanup attempt.
+    again = await runs.cancel(conn, run_id, reason="again")
+    assert (again.before, again.after, again.changed) == ("queued", "queued", False)
+    [cleanup] = await claim(conn, name, now=at)
+    assert (cleanup.run_id, cleanup.attempt, cleanup.cleanup) == (run_id, 2, True)
+    assert "cleanup_started" in await event_kinds(conn, run_id)
+    # Only `cancelled` ends it (every other outcome is refused while the cancel is pending).
+    statuses = await runs.finish(
+        conn, worker_id="w1", finishes=[outcomes.cancelled(run_id, 2, "operator")]
+    )
+    assert statuses == {(run_id, 2): FinishStatus.APPLIED}
+    assert (await runs.get(conn, run_id)).state == "cancelled"
+
+
+async def test_a_cleanup_that_keeps_lapsing_is_cancelled_once_the_budget_is_spent(
+    conn: Conn,
+) -> None:
+    name = await lane(conn, lease_ttl_s=TTL, retry_max_attempts=2)
+    run_id = await submit(conn)
+    await claim(conn, name)
+    await runs.cancel(conn, run_id)
+    first = await recovery.run_once(conn, now=T0 + timedelta(seconds=TTL + 1))
+    assert [r.state for r in first.expired] == ["queued"]
+    later = T0 + timedelta(seconds=TTL + 2)
+    [cleanup] = await claim(conn, name, now=later)
+    assert cleanup.cleanup
+    # The cleanup attempt's worker dies too: 2 lapses of 2 allowed, cancel without hooks.
+    second = await recovery.run_once(conn, now=later + timedelta(seconds=TTL + 1))
+    assert [(r.run_id, r.state) for r in second.expired] == [(run_id, "cancelled")]
     assert (await runs.get(conn, run_id)).state == "cancelled"
 
 
@@ -202,8 +237,10 @@ async def test_expired_lease_of_a_cancelled_run_cancels_it(conn: Conn) -> None:
         ("DELETE FROM procrastinate_jobs WHERE id = %(job)s", "missing"),
         ("UPDATE procrastinate_jobs SET status = 'cancelled' WHERE id = %(job)s", "cancelled"),
         ("UPDATE wq_runs SET job_id = NULL WHERE id = %(run)s", "none"),
+        # Taken by a claimer that died between its claim and its drop (migration 0022).
+        ("UPDATE procrastinate_jobs SET status = 'doing' WHERE id = %(job)s", "doing"),
     ],
-    ids=["deleted", "cancelled", "no-job"],
+    ids=["deleted", "cancelled", "no-job", "delivered-never-dropped"],
 )
 async def test_orphan_gets_a_new_todo_job(conn: Conn, lose: str, old_status: str) -> None:
     name = await lane(conn)
@@ -232,25 +269,33 @@ async def test_healthy_queued_run_is_left_alone(conn: Conn) -> None:
     assert len(await run_jobs(conn, run_id)) == 1
 
 
-async def test_run_on_a_force_reclaimed_lane_is_reprepared_then_respawned(conn: Conn) -> None:
+async def test_a_force_reclaimed_lane_keeps_its_runs_and_is_never_reopened(conn: Conn) -> None:
     name = await lane(conn, release="old")
     run_id = await submit(conn, release="old")
+    job = (await runs.get(conn, run_id)).job_id
     rep = await lanes.reclaim(conn, "old", force=True)
-    assert (rep.unfinished, rep.jobs_cancelled) == (1, 1)
+    assert rep.unfinished == 1
     assert (await lanes.get(conn, name)).state == "reclaimed"  # type: ignore[union-attr]
+    # The run keeps its waiting job: a worker of the release may still serve it.
+    assert await run_jobs(conn, run_id) == [(job, "todo", name, None)]
 
+    # Its job lost: recovery spawns a new one on the run's own lane, and leaves the lane
+    # closed to admissions.
+    await conn.execute("DELETE FROM procrastinate_jobs WHERE id = %(job)s", {"job": job})
     report = await recovery.run_once(conn, now=T0)
 
-    assert report.reprepared == (name,)
-    lane_row = await lanes.get(conn, name)
-    assert lane_row is not None and lane_row.state == "prepared"
     [res] = report.respawned
-    assert (res.run_id, res.old_job_status) == (run_id, "cancelled")
-    assert (await runs.get(conn, run_id)).job_id == res.job_id
-    assert [s for _, s, _, _ in await run_jobs(conn, run_id)] == ["cancelled", "todo"]
+    assert (res.run_id, res.lane, res.old_job_status) == (run_id, name, "missing")
+    assert report.closed_lanes == (name,)
+    assert (await lanes.get(conn, name)).state == "reclaimed"  # type: ignore[union-attr]
+    with pytest.raises(LaneReclaimed, match="reopen"):
+        await submit(conn, release="old")
+    # A worker of the release still claims it (claims do not look at the lane's state).
+    [claimed] = await claim(conn, name)
+    assert claimed.run_id == run_id
 
 
-async def test_a_draining_lane_is_not_reprepared(conn: Conn) -> None:
+async def test_a_draining_lane_is_served_and_stays_draining(conn: Conn) -> None:
     name = await lane(conn, release="dr")
     run_id = await submit(conn, release="dr")
     await lanes.drain(conn, "dr")
@@ -259,7 +304,7 @@ async def test_a_draining_lane_is_not_reprepared(conn: Conn) -> None:
     )
     report = await recovery.run_once(conn, now=T0)
     assert [r.run_id for r in report.respawned] == [run_id]  # its workers still consume it
-    assert report.reprepared == ()
+    assert report.closed_lanes == (name,)
     assert (await lanes.get(conn, name)).state == "draining"  # type: ignore[union-attr]
 
 
@@ -269,9 +314,16 @@ async def sleeping(
     run_id = uuid.uuid4()
     await conn.execute(
         "INSERT INTO wq_runs (id, org, play, release, lane, state, attempt, available_at,"
-        " wait_event) VALUES (%(id)s, 'o', %(play)s, 'rec', %(lane)s, 'sleeping', 1, %(at)s,"
-        " %(event)s)",
-        {"id": run_id, "play": PLAY, "lane": name, "at": available_at, "event": wait_event},
+        " wait_event, created_at) VALUES (%(id)s, 'o', %(play)s, 'rec', %(lane)s, 'sleeping', 1,"
+        " %(at)s, %(event)s, %(created)s)",
+        {
+            "id": run_id,
+            "play": PLAY,
+            "lane": name,
+            "at": available_at,
+            "event": wait_event,
+            "created": T0 - timedelta(hours=1),
+        },
     )
     return run_id
 
@@ -297,9 +349,12 @@ async def test_woken_waiter_without_a_job_is_respawned(conn: Conn) -> None:
     woken = await sleeping(conn, name, available_at=None, wait_event="paid")
     waiting = await sleeping(conn, name, available_at=None, wait_event="never")
     await conn.execute(
-        "INSERT INTO wq_emitted_events (name, payload) VALUES ('paid', %(p)s)",
-        {"p": Jsonb({"amount": 3})},
-    )  # emitted, but the wake-up's job was lost
+        "INSERT INTO wq_emitted_events (org, name, payload, emitted_at)"
+        " VALUES ('o', 'paid', %(p)s, %(at)s), ('other-org', 'never', 'null', %(at)s),"
+        " ('o', 'never', 'null', %(old)s)",
+        {"p": Jsonb({"amount": 3}), "at": T0, "old": T0 - timedelta(days=1)},
+    )  # 'paid' emitted in the run's org but its wake-up's job was lost; 'never' only in
+    # another org, and in the run's org before the run was admitted: neither wakes it
 
     report = await recovery.run_once(conn, now=T0)
 
@@ -311,16 +366,36 @@ async def test_woken_waiter_without_a_job_is_respawned(conn: Conn) -> None:
     assert await run_jobs(conn, waiting) == []
 
 
-async def test_orphan_with_cancel_requested_is_cancelled_not_respawned(conn: Conn) -> None:
-    await lane(conn)
-    run_id = await submit(conn)
+async def test_a_sleeper_with_a_cancel_pending_is_cancelled_not_respawned(conn: Conn) -> None:
+    # No API leaves a sleeper with a cancel pending (a cancel cancels a sleeper at once, and a
+    # suspension is refused while a cancel is pending): this is a state left by an older
+    # release, written by hand. Recovery must still end it.
+    name = await lane(conn)
+    run_id = await sleeping(conn, name, available_at=T0 - timedelta(minutes=1))
     await conn.execute(
-        "UPDATE wq_runs SET cancel_requested_at = now(), job_id = NULL WHERE id = %(id)s",
-        {"id": run_id},
+        "UPDATE wq_runs SET cancel_requested_at = now() WHERE id = %(id)s", {"id": run_id}
     )
     report = await recovery.run_once(conn, now=T0)
     assert report.cancelled == (run_id,) and report.respawned == ()
     assert (await runs.get(conn, run_id)).state == "cancelled"
+
+
+async def test_a_cleanup_pending_run_that_lost_its_job_is_respawned(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL)
+    run_id = await submit(conn)
+    await claim(conn, name)
+    await runs.cancel(conn, run_id)
+    at = T0 + timedelta(seconds=TTL + 1)
+    await recovery.run_once(conn, now=at)  # queued for its cleanup attempt
+    await conn.execute(
+        "DELETE FROM procrastinate_jobs WHERE id = (SELECT job_id FROM wq_runs WHERE id = %(id)s)",
+        {"id": run_id},
+    )
+    report = await recovery.run_once(conn, now=at)
+    assert [(r.run_id, r.reason) for r in report.respawned] == [(run_id, "cleanup")]
+    assert report.cancelled == ()
+    [cleanup] = await claim(conn, name, now=at)
+    assert cleanup.cleanup
 
 
 # ---- retention --------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Sheets and the runtime operation contract, on a real Postgres (one rolled-back transaction).
 
-Every test writes its setup rows first, so the connection is inside the test's transaction
-and each ``admit_page`` transaction block is a savepoint that the fixture rolls back.
+Every run is really admitted and claimed (tests/attempts.py), so each write carries the
+fence of a live attempt; a "wake" is a real rescue and a second claim. Each ``admit_page``
+transaction block is a savepoint that the fixture rolls back.
 """
 
 from __future__ import annotations
@@ -12,39 +13,44 @@ from uuid import UUID, uuid4
 import psycopg
 import pytest
 
-from queues import operations, sheets
+from queues import sheets
 from queues.errors import (
     InvalidField,
-    OperationRefused,
     PayloadTooLarge,
     RunNotFound,
     SheetSuperseded,
-    WriteIntentUnavailable,
     WriteVersionMismatch,
 )
+from queues.fence import Fence
 from queues.sheets import (
-    CompletionResult,
     Disposition,
     RowCompletion,
     RowStatus,
     StaleReason,
 )
+from tests import attempts
 
 Conn = psycopg.AsyncConnection[Any]
 ORG = "acme"
+_LIVE: dict[UUID, attempts.Attempt] = {}
 
 
 async def make_run(conn: Conn, org: str = ORG) -> UUID:
-    run_id = uuid4()
-    await conn.execute(
-        "INSERT INTO wq_lanes (name, release) VALUES ('r-test', 'test') ON CONFLICT DO NOTHING"
-    )
-    await conn.execute(
-        "INSERT INTO wq_runs (id, org, play, release, lane, state, attempt, lease_owner,"
-        " lease_expires_at) VALUES (%(id)s, %(org)s, 'enrich', 'test', 'r-test', 'running', 1,"
-        " 'w1', now() + interval '30 seconds')",
-        {"id": run_id, "org": org},
-    )
+    """A really admitted and claimed run (attempt 1, worker w1); its fence is ``F(run)``."""
+    live = await attempts.start(conn, org=org, play="enrich", release="test")
+    _LIVE[live.run_id] = live
+    return live.run_id
+
+
+def F(run_id: UUID) -> Fence:
+    """The fence of the run's live attempt."""
+    return _LIVE[run_id].fence
+
+
+async def wake(conn: Conn, run_id: UUID) -> UUID:
+    """The run's attempt lapses and is rescued; a second worker claims it (a new attempt
+    with no local state: a wake, as far as the sheet can tell)."""
+    _LIVE[run_id] = await attempts.supersede(conn, _LIVE[run_id])
     return run_id
 
 
@@ -91,41 +97,78 @@ def done(*keys: str, output: sheets.JSON = None) -> list[RowCompletion]:
 # ---- admission: versions and intents ---------------------------------------------------
 
 
-async def test_legacy_admission_mints_a_new_version_on_every_call(conn: Conn) -> None:
+async def test_legacy_admission_mints_once_per_attempt(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
 
-    first = await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"))
-    again = await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"))
+    first = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a"))
+    # The attempt's later pages carry its version: it never supersedes its own pages.
+    second = await sheets.admit_page(
+        conn,
+        org=ORG,
+        sheet=sheet,
+        fence=F(run_id),
+        rows=page("a", "b"),
+        write_version=first.write_version,
+    )
+    assert second.write_version == first.write_version
+    assert second.keys(Disposition.ALREADY_CURRENT) == ("a",)
+    assert second.keys(Disposition.ADMITTED) == ("b",)
 
-    assert again.write_version > first.write_version
-    assert first.keys(Disposition.ADMITTED) == ("a", "b")
-    # The replayed page was re-stamped under the newer version (the legacy hazard).
-    assert again.keys(Disposition.READMITTED) == ("a", "b")
-    assert (await row_state(conn, sheet, "a"))[1] == again.write_version  # type: ignore[index]
+    # A new attempt (a wake) mints a newer version and re-stamps the run's pending rows.
+    await wake(conn, run_id)
+    woken = await sheets.admit_page(
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b")
+    )
+    assert woken.write_version > first.write_version
+    assert woken.keys(Disposition.READMITTED) == ("a", "b")
+    assert (await row_state(conn, sheet, "a"))[1] == woken.write_version  # type: ignore[index]
     assert await intents(conn, run_id, sheet) == 0
     # A same-run re-stamp does not count a row twice.
     assert await sheets.progress(conn, run_id) == (2, 0)
+
+
+async def test_a_legacy_admission_refuses_a_version_its_attempt_was_not_given(conn: Conn) -> None:
+    other, sheet = await make_run(conn), new_sheet()
+    foreign = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(other), rows=page("x"))
+    run_id = await make_run(conn)
+    own = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("y"))
+    for wrong in (foreign.write_version, own.write_version + 1000):
+        with pytest.raises(WriteVersionMismatch, match="first admission"):
+            await sheets.admit_page(
+                conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("x"), write_version=wrong
+            )
+    assert (await row_state(conn, sheet, "x"))[:2] == (other, foreign.write_version)  # type: ignore[index]
+    with pytest.raises(RunNotFound):
+        await sheets.admit_page(
+            conn,
+            org=ORG,
+            sheet=sheet,
+            fence=Fence(uuid4(), 1, "w1"),
+            rows=page("z"),
+            write_version=own.write_version,
+        )
 
 
 async def test_stable_intent_is_reused_across_pages_and_wakes(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
 
     p1 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"), stable_intent=True
     )
     p2 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("c"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("c"), stable_intent=True
     )
-    # A wake: no local state, page 1 again, no version passed.
+    # A wake: a new attempt with no local state, page 1 again, no version passed.
+    await wake(conn, run_id)
     woken = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"), stable_intent=True
     )
     # A caller that kept the version may pass it.
     kept = await sheets.admit_page(
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         rows=page("c"),
         stable_intent=True,
         write_version=p1.write_version,
@@ -142,7 +185,7 @@ async def test_stable_intent_is_reused_across_pages_and_wakes(conn: Conn) -> Non
 async def test_a_disagreeing_write_version_is_refused_and_nothing_is_written(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
     first = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a"), stable_intent=True
     )
     wrong = first.write_version + 1000
 
@@ -151,7 +194,7 @@ async def test_a_disagreeing_write_version_is_refused_and_nothing_is_written(con
             conn,
             org=ORG,
             sheet=sheet,
-            run_id=run_id,
+            fence=F(run_id),
             rows=page("b", "c"),
             stable_intent=True,
             write_version=wrong,
@@ -171,7 +214,7 @@ async def test_a_version_passed_to_a_first_admission_is_refused_and_leaves_no_in
 ) -> None:
     other, sheet = await make_run(conn), new_sheet()
     foreign = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=other, rows=page("x"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(other), rows=page("x"), stable_intent=True
     )
     run_id = await make_run(conn)
 
@@ -180,7 +223,7 @@ async def test_a_version_passed_to_a_first_admission_is_refused_and_leaves_no_in
             conn,
             org=ORG,
             sheet=sheet,
-            run_id=run_id,
+            fence=F(run_id),
             rows=page("x", "y"),
             stable_intent=True,
             write_version=foreign.write_version,
@@ -194,20 +237,20 @@ async def test_a_version_passed_to_a_first_admission_is_refused_and_leaves_no_in
 async def test_a_new_run_admits_a_newer_intent_and_takes_over_pending_rows(conn: Conn) -> None:
     old, sheet = await make_run(conn), new_sheet()
     v1 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=old, rows=page("a", "b", "c"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(old), rows=page("a", "b", "c"), stable_intent=True
     )
     await sheets.complete_rows(
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=old,
+        fence=F(old),
         write_version=v1.write_version,
         completions=done("a"),
     )
     new = await make_run(conn)
 
     v2 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=new, rows=page("a", "b", "c"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(new), rows=page("a", "b", "c"), stable_intent=True
     )
 
     assert v2.write_version > v1.write_version
@@ -218,7 +261,7 @@ async def test_a_new_run_admits_a_newer_intent_and_takes_over_pending_rows(conn:
 
     # The old run wakes and re-admits with its own intent: it must not steal the rows back.
     woken = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=old, rows=page("a", "b", "c"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(old), rows=page("a", "b", "c"), stable_intent=True
     )
     assert woken.write_version == v1.write_version
     assert woken.keys(Disposition.SUPERSEDED) == ("b", "c")
@@ -229,11 +272,16 @@ async def test_admission_of_an_unknown_run_is_refused(conn: Conn) -> None:
     await make_run(conn)
     with pytest.raises(RunNotFound):
         await sheets.admit_page(
-            conn, org=ORG, sheet=new_sheet(), run_id=uuid4(), rows=page("a"), stable_intent=True
+            conn,
+            org=ORG,
+            sheet=new_sheet(),
+            fence=Fence(uuid4(), 1, "w1"),
+            rows=page("a"),
+            stable_intent=True,
         )
     run_id = await make_run(conn, org="other-org")
     with pytest.raises(RunNotFound, match="acme"):
-        await sheets.admit_page(conn, org=ORG, sheet=new_sheet(), run_id=run_id, rows=page("a"))
+        await sheets.admit_page(conn, org=ORG, sheet=new_sheet(), fence=F(run_id), rows=page("a"))
 
 
 # ---- admission: input validation -------------------------------------------------------
@@ -243,23 +291,25 @@ async def test_page_validation_names_the_rule(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
 
     with pytest.raises(InvalidField, match="'b' appears twice") as dup:
-        await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b", "b"))
+        await sheets.admit_page(
+            conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b", "b")
+        )
     assert dup.value.field == "rows[2].key"
     with pytest.raises(PayloadTooLarge, match="5,000"):
         rows = page(*(f"k{i}" for i in range(5_001)))
-        await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=rows)
+        await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=rows)
     with pytest.raises(InvalidField, match="non-empty"):
-        await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page(""))
+        await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page(""))
     with pytest.raises(InvalidField, match="512"):
-        await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("k" * 513))
-    with pytest.raises(InvalidField, match="stable_intent"):
+        await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("k" * 513))
+    with pytest.raises(InvalidField, match="positive"):
         await sheets.admit_page(
-            conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a"), write_version=1
+            conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a"), write_version=0
         )
     assert await sheet_rows(conn, sheet) == 0
 
     at_limit = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page(*(f"k{i}" for i in range(5_000)))
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page(*(f"k{i}" for i in range(5_000)))
     )
     assert len(at_limit.keys(Disposition.ADMITTED)) == 5_000
     assert await sheets.progress(conn, run_id) == (5_000, 0)
@@ -271,14 +321,14 @@ async def test_page_validation_names_the_rule(conn: Conn) -> None:
 async def test_completion_writes_rows_of_its_version_and_counts_them(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
     adm = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"), stable_intent=True
     )
 
     result = await sheets.complete_rows(
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=adm.write_version,
         completions=[RowCompletion("a", {"score": 1}), RowCompletion("b", None, RowStatus.FAILED)],
     )
@@ -292,18 +342,18 @@ async def test_completion_writes_rows_of_its_version_and_counts_them(conn: Conn)
 async def test_newer_write_version_when_a_newer_run_readmitted_the_rows(conn: Conn) -> None:
     old, sheet = await make_run(conn), new_sheet()
     v1 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=old, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(old), rows=page("a", "b"), stable_intent=True
     )
     new = await make_run(conn)
     v2 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=new, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(new), rows=page("a", "b"), stable_intent=True
     )
 
     result = await sheets.complete_rows(
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=old,
+        fence=F(old),
         write_version=v1.write_version,
         completions=done("a"),
     )
@@ -320,11 +370,11 @@ async def test_newer_write_version_when_a_newer_run_readmitted_the_rows(conn: Co
 async def test_older_write_version_when_the_version_never_admitted_the_row(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
     adm = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a"), stable_intent=True
     )
     # A version minted later, for another sheet: it never admitted rows of this one.
     elsewhere = await sheets.admit_page(
-        conn, org=ORG, sheet=new_sheet(), run_id=run_id, rows=page("a"), stable_intent=True
+        conn, org=ORG, sheet=new_sheet(), fence=F(run_id), rows=page("a"), stable_intent=True
     )
     assert elsewhere.write_version > adm.write_version
 
@@ -332,7 +382,7 @@ async def test_older_write_version_when_the_version_never_admitted_the_row(conn:
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=elsewhere.write_version,
         completions=done("a", "never-admitted"),
     )
@@ -347,12 +397,12 @@ async def test_older_write_version_when_the_version_never_admitted_the_row(conn:
 
 async def test_already_terminal_is_benign_for_an_unversioned_writer(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
-    adm = await sheets.admit_page(conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"))
+    adm = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"))
     await sheets.complete_rows(
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=adm.write_version,
         completions=done("a", output={"v": 1}),
     )
@@ -361,7 +411,7 @@ async def test_already_terminal_is_benign_for_an_unversioned_writer(conn: Conn) 
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=None,
         completions=done("a", "b", output={"v": 2}),
         raise_on_superseded=True,  # benign: must not raise
@@ -377,12 +427,12 @@ async def test_already_terminal_is_benign_for_an_unversioned_writer(conn: Conn) 
 async def test_a_replayed_completion_counts_as_committed_and_changes_nothing(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
     adm = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=run_id, rows=page("a", "b"), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"), stable_intent=True
     )
     version = adm.write_version
     completions = [RowCompletion("a", {"score": 7}), RowCompletion("b", {"score": 8})]
     await sheets.complete_rows(
-        conn, org=ORG, sheet=sheet, run_id=run_id, write_version=version, completions=completions
+        conn, org=ORG, sheet=sheet, fence=F(run_id), write_version=version, completions=completions
     )
     before = await row_state(conn, sheet, "a")
 
@@ -390,7 +440,7 @@ async def test_a_replayed_completion_counts_as_committed_and_changes_nothing(con
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=version,
         completions=completions,
         raise_on_superseded=True,
@@ -406,7 +456,7 @@ async def test_a_replayed_completion_counts_as_committed_and_changes_nothing(con
         conn,
         org=ORG,
         sheet=sheet,
-        run_id=run_id,
+        fence=F(run_id),
         write_version=version,
         completions=[RowCompletion("a", {"score": 99})],
     )
@@ -418,11 +468,11 @@ async def test_supersession_raises_with_sheet_run_counts_and_samples(conn: Conn)
     old, sheet = await make_run(conn), new_sheet()
     keys = [f"row-{i}" for i in range(7)]
     v1 = await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=old, rows=page(*keys), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(old), rows=page(*keys), stable_intent=True
     )
     new = await make_run(conn)
     await sheets.admit_page(
-        conn, org=ORG, sheet=sheet, run_id=new, rows=page(*keys), stable_intent=True
+        conn, org=ORG, sheet=sheet, fence=F(new), rows=page(*keys), stable_intent=True
     )
 
     with pytest.raises(SheetSuperseded) as caught:
@@ -430,7 +480,7 @@ async def test_supersession_raises_with_sheet_run_counts_and_samples(conn: Conn)
             conn,
             org=ORG,
             sheet=sheet,
-            run_id=old,
+            fence=F(old),
             write_version=v1.write_version,
             completions=done(*keys, "ghost"),
             raise_on_superseded=True,
@@ -451,14 +501,14 @@ async def test_completion_validation(conn: Conn) -> None:
     run_id, sheet = await make_run(conn), new_sheet()
     with pytest.raises(InvalidField, match="'a' appears twice"):
         await sheets.complete_rows(
-            conn, org=ORG, sheet=sheet, run_id=run_id, write_version=1, completions=done("a", "a")
+            conn, org=ORG, sheet=sheet, fence=F(run_id), write_version=1, completions=done("a", "a")
         )
     with pytest.raises(InvalidField, match="done or failed"):
         await sheets.complete_rows(
             conn,
             org=ORG,
             sheet=sheet,
-            run_id=run_id,
+            fence=F(run_id),
             write_version=1,
             completions=[RowCompletion("a", {}, RowStatus.PENDING)],
         )
@@ -467,150 +517,44 @@ async def test_completion_validation(conn: Conn) -> None:
             conn,
             org=ORG,
             sheet=sheet,
-            run_id=run_id,
+            fence=F(run_id),
             write_version=1,
             completions=done(*(f"k{i}" for i in range(5_001))),
         )
 
 
-def test_an_older_receivers_reasonless_stale_rows_parse_as_unreported() -> None:
-    result = CompletionResult.from_wire(
-        {"committed": ["a"], "stale": [{"key": "b"}, "c", {"key": "d", "reason": "brand_new"}]}
-    )
-
-    assert [(s.key, s.reason) for s in result.stale] == [
-        ("b", StaleReason.UNREPORTED),
-        ("c", StaleReason.UNREPORTED),
-        ("d", StaleReason.UNREPORTED),
-    ]
-    with pytest.raises(SheetSuperseded, match="unreported=3"):
-        sheets.raise_if_superseded(result, sheet="s", run_id="r", submitted=4)
-
-
-def test_the_wire_form_round_trips() -> None:
-    result = CompletionResult(
-        write_version=5,
-        committed=("a",),
-        replayed=(),
-        stale=(sheets.StaleRow("b", StaleReason.NEWER_WRITE_VERSION, 9),),
-    )
-    assert CompletionResult.from_wire(result.to_wire()) == result
-
-
-# ---- the runtime operation contract ----------------------------------------------------
-
-ALL = frozenset({operations.SHEET_WRITE})
-
-
-def start_payload(run_id: UUID, sheet: str, *keys: str) -> dict[str, Any]:
-    return {
-        "org": ORG,
-        "sheet": sheet,
-        "run_id": str(run_id),
-        "rows": [{"key": k, "input": {"n": k}} for k in keys],
-    }
-
-
-async def test_every_action_maps_to_one_capability() -> None:
-    assert operations.capability_for("sheet.start") == "sheet:write"
-    assert operations.capability_for("sheet.start_with_intent") == "sheet:write"
-    assert operations.capability_for("sheet.complete_rows") == "sheet:write"
-    assert operations.capability_for("receipt.write") == "receipt:write"
-    assert operations.capability_for("ledger.append") == "ledger:append"
-    assert operations.capability_for("ledger.project") == "ledger:project"
-    assert operations.capability_for("sheet.delete") is None
-
-
-async def test_perform_admits_and_completes_through_named_actions(conn: Conn) -> None:
-    run_id, sheet = await make_run(conn), new_sheet()
-
-    started = await operations.perform(
-        conn, "sheet.start_with_intent", start_payload(run_id, sheet, "a", "b"), capabilities=ALL
-    )
-    version = started["write_version"]
-    completed = await operations.perform(
+@pytest.mark.parametrize("value", ["a\x00b", float("nan")])
+async def test_a_value_jsonb_cannot_hold_is_bad_input_and_writes_nothing(
+    conn: Conn, value: object
+) -> None:
+    live = await attempts.start(conn)
+    before = await conn.execute("SELECT count(*) FROM wq_sheet_rows")
+    [(rows_before,)] = await before.fetchall()
+    # Each refusal in a savepoint: the failed statement aborts its (sub)transaction.
+    with pytest.raises(InvalidField, match="cannot be stored"):
+        async with conn.transaction():
+            await sheets.admit_page(
+                conn, org=attempts.ORG, sheet="s", fence=live.fence, rows=[("a", {"v": value})]
+            )
+    admitted = await sheets.admit_page(
         conn,
-        "sheet.complete_rows",
-        {
-            "org": ORG,
-            "sheet": sheet,
-            "run_id": str(run_id),
-            "write_version": version,
-            "completions": [{"key": "a", "output": {"ok": True}}, {"key": "zzz"}],
-        },
-        capabilities=ALL,
+        org=attempts.ORG,
+        sheet="s",
+        fence=live.fence,
+        rows=[("a", {"v": 1})],
+        stable_intent=True,
     )
-
-    assert [r["disposition"] for r in started["rows"]] == ["admitted", "admitted"]
-    parsed = CompletionResult.from_wire(completed)
-    assert parsed.committed == ("a",)
-    assert [(s.key, s.reason) for s in parsed.stale] == [("zzz", StaleReason.OLDER_WRITE_VERSION)]
-    assert await sheets.progress(conn, run_id) == (2, 1)
-
-
-async def test_an_unknown_action_is_refused_with_the_known_list(conn: Conn) -> None:
-    run_id, sheet = await make_run(conn), new_sheet()
-    with pytest.raises(OperationRefused) as caught:
-        await operations.perform(
-            conn, "sheet.strat", start_payload(run_id, sheet, "a"), capabilities=ALL
-        )
-    assert caught.value.code == "OPERATION_UNKNOWN"
-    assert "'sheet.strat'" in str(caught.value)
-    assert "sheet.complete_rows" in str(caught.value)  # the known list
-    assert "Did you mean 'sheet.start'" in str(caught.value)
-    # Defined in the table but not served by this release: refused, not guessed.
-    with pytest.raises(OperationRefused, match=r"receipt\.write"):
-        await operations.perform(
-            conn, "receipt.write", {}, capabilities=frozenset({"receipt:write"})
-        )
-    assert await sheet_rows(conn, sheet) == 0
-
-
-async def test_an_older_receiver_refuses_start_with_intent_and_admits_nothing(conn: Conn) -> None:
-    run_id, sheet = await make_run(conn), new_sheet()
-    older = {"sheet.start", "sheet.complete_rows"}
-
-    with pytest.raises(WriteIntentUnavailable) as caught:
-        await operations.perform(
-            conn,
-            "sheet.start_with_intent",
-            start_payload(run_id, sheet, "a"),
-            capabilities=ALL,
-            known_actions=older,
-        )
-
-    assert caught.value.code == "WRITE_INTENT_UNAVAILABLE"
-    assert isinstance(caught.value, OperationRefused)
-    assert await intents(conn, run_id, sheet) == 0
-    assert await sheet_rows(conn, sheet) == 0  # no fallback to legacy admission
-    assert await sheets.progress(conn, run_id) == (0, 0)
-
-
-async def test_a_payload_field_unknown_to_the_action_is_refused(conn: Conn) -> None:
-    run_id, sheet = await make_run(conn), new_sheet()
-    payload = {**start_payload(run_id, sheet, "a"), "stable_intent": True}
-
-    with pytest.raises(InvalidField) as caught:
-        await operations.perform(conn, "sheet.start", payload, capabilities=ALL)
-    assert caught.value.field == "payload.stable_intent"
-    assert "'stable_intent'" in str(caught.value)
-
-    nested = start_payload(run_id, sheet, "a")
-    nested["rows"][0]["priority"] = 1
-    with pytest.raises(InvalidField, match="'priority'"):
-        await operations.perform(conn, "sheet.start", nested, capabilities=ALL)
-    assert await sheet_rows(conn, sheet) == 0
-
-
-async def test_a_missing_capability_is_refused(conn: Conn) -> None:
-    run_id, sheet = await make_run(conn), new_sheet()
-    with pytest.raises(OperationRefused) as caught:
-        await operations.perform(
-            conn,
-            "sheet.start",
-            start_payload(run_id, sheet, "a"),
-            capabilities=frozenset({"ledger:project"}),
-        )
-    assert caught.value.code == "CAPABILITY_MISSING"
-    assert "sheet:write" in str(caught.value)
-    assert await sheet_rows(conn, sheet) == 0
+    with pytest.raises(InvalidField, match="cannot be stored"):
+        async with conn.transaction():
+            await sheets.complete_rows(
+                conn,
+                org=attempts.ORG,
+                sheet="s",
+                fence=live.fence,
+                write_version=admitted.write_version,
+                completions=[sheets.RowCompletion("a", {"v": value})],
+            )
+    after = await conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'done') FROM wq_sheet_rows"
+    )
+    assert await after.fetchall() == [(rows_before + 1, 0)]

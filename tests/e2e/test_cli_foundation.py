@@ -20,19 +20,27 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psycopg
 import pytest
 
 from queues import migrations
-from worker import embedded
+from worker import config, embedded
 from worker.cli import cli
 
 WORKER = Path(sys.executable).parent / "worker"
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
 URL_VARIABLES = ("DATABASE_URL", "WORKER_DATABASE_URL", "WORKER_HOME")
+# The embedded default holds outside production only: without these, the tests run the same
+# on a runner that sets a platform variable (a CI job in a Kubernetes pod, say).
+PRODUCTION_VARIABLES = ("WORKER_ENV", *(name for name, _ in config.PLATFORM_VARIABLES))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in URL_VARIABLES}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in URL_VARIABLES and k not in PRODUCTION_VARIABLES
+    }
     env.update(extra)
     return env
 
@@ -66,21 +74,21 @@ def assert_clean_error(res: subprocess.CompletedProcess[str], code: str, exit_co
 )
 def test_unreachable_database(args: tuple[str, ...]) -> None:
     res = worker(*args, env=clean_env(WORKER_DATABASE_URL=UNREACHABLE))
-    assert_clean_error(res, "DATABASE_UNREACHABLE", 2)
+    assert_clean_error(res, "DATABASE_UNREACHABLE", 6)
     assert "127.0.0.1:1" in res.stderr
 
 
 def test_unreachable_database_via_flag_and_database_url() -> None:
     res = worker("--database-url", UNREACHABLE, "migrate", env=clean_env())
-    assert_clean_error(res, "DATABASE_UNREACHABLE", 2)
+    assert_clean_error(res, "DATABASE_UNREACHABLE", 6)
     res = worker("migrate", env=clean_env(DATABASE_URL=UNREACHABLE))
-    assert_clean_error(res, "DATABASE_UNREACHABLE", 2)
+    assert_clean_error(res, "DATABASE_UNREACHABLE", 6)
 
 
 def test_unreachable_error_does_not_print_the_password() -> None:
     url = "postgresql://postgres:s3cret@127.0.0.1:1/x"
     res = worker("migrate", env=clean_env(WORKER_DATABASE_URL=url))
-    assert_clean_error(res, "DATABASE_UNREACHABLE", 2)
+    assert_clean_error(res, "DATABASE_UNREACHABLE", 6)
     assert "s3cret" not in res.stderr
 
 
@@ -190,7 +198,7 @@ def _alive(pid: int) -> bool:
 def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     env = clean_env(WORKER_HOME=str(home))
     contract = migrations.code_contract()
-    n = len(migrations.code_migrations())
+    n = len(migrations.code_migrations()) + 1  # procrastinate's schema.sql, then ours
 
     assert _status(env)["running"] is False
 
@@ -233,3 +241,75 @@ def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     assert stop.stdout.strip() == "stopped"
     assert _status(env)["running"] is False
     assert worker("db", "stop", env=env).stdout.strip() == "not running"
+
+
+@pytest.mark.parametrize(
+    "production", [{"WORKER_ENV": "production"}, {"DYNO": "web.1"}], ids=["WORKER_ENV", "DYNO"]
+)
+def test_production_without_a_database_url_starts_no_server(
+    home: Path, production: dict[str, str]
+) -> None:
+    res = worker("submit", "noop", env=clean_env(WORKER_HOME=str(home), **production))
+    assert_clean_error(res, "DATABASE_URL_MISSING", 2)
+    assert "Fix: set WORKER_DATABASE_URL or DATABASE_URL" in res.stderr
+    assert "WORKER_ENV=development" in res.stderr
+    assert list(home.iterdir()) == []  # no data directory, no server
+    assert _status(clean_env(WORKER_HOME=str(home)))["running"] is False
+
+
+def test_db_url_gives_each_role_its_own_login_and_status_hides_the_secret(home: Path) -> None:
+    env = clean_env(WORKER_HOME=str(home))
+    res = worker("db", "url", "--role", "owner", env=env)
+    assert res.returncode == 0, res.stderr
+    owner = res.stdout.strip()
+    secret = (home / "secret").read_text().strip()
+    assert owner.startswith(f"postgresql://postgres:{secret}@127.0.0.1:"), owner
+    assert secret not in res.stderr  # the log lines of a first start
+    migrated = worker("migrate", env=env)
+    assert migrated.returncode == 0, migrated.stderr
+
+    urls = {}
+    for role in ("worker", "admission", "reader"):
+        got = worker("db", "url", "--role", role, env=env)
+        assert got.returncode == 0, got.stderr
+        urls[role] = got.stdout.strip()
+        assert urls[role].startswith(f"postgresql://wq_{role}:"), urls[role]
+        assert secret not in urls[role]  # a password of its own (derived), not the secret
+    assert worker("db", "url", env=env).stdout.strip() == urls["worker"]  # the default
+    with psycopg.connect(urls["worker"]) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("wq_worker",)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("CREATE TABLE mine (x int)")
+    with (
+        psycopg.connect(urls["admission"]) as conn,
+        pytest.raises(psycopg.errors.InsufficientPrivilege),
+    ):
+        conn.execute("SELECT params FROM wq_runs")
+    with psycopg.connect(urls["reader"]) as conn:
+        assert conn.execute("SELECT count(*) FROM wq_runs").fetchone() == (0,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            conn.execute("DELETE FROM wq_runs")
+
+    for args in (("db", "status"), ("db", "status", "--json")):
+        shown = worker(*args, env=env)
+        assert shown.returncode == 0, shown.stderr
+        assert secret not in shown.stdout + shown.stderr
+    status = _status(env)
+    assert status["url"] == owner.replace(f":{secret}@", "@")
+    assert status["secret_file"] == str(home / "secret")
+
+    # The README's recipe. The commands after it cannot fall back to the embedded server
+    # (their WORKER_HOME cannot exist), so they succeed only through the exported URLs:
+    # migrate as the owner, everything else as the worker role.
+    recipe = (
+        f'export WORKER_MIGRATE_DATABASE_URL=$("{WORKER}" db url --role owner)\n'
+        f'export WORKER_DATABASE_URL=$("{WORKER}" db url)\n'
+        f'WORKER_HOME="{home}/secret/none" "{WORKER}" migrate\n'
+        f'WORKER_HOME="{home}/secret/none" "{WORKER}" queues prepare r1\n'
+    )
+    ran = subprocess.run(
+        ["sh", "-ec", recipe], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "applied" in ran.stdout and "lane r-r1 prepared" in ran.stdout
+    assert secret not in ran.stdout + ran.stderr

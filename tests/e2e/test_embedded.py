@@ -9,19 +9,25 @@ import pwd
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
+from structlog.testing import capture_logs
 
+from worker import embedded, postmaster
 from worker.embedded import EmbeddedPostgresError, default_home, ensure_running, status, stop
 
 REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(sys.executable).parent / "worker"
+AUTH = "scram-sha-256"
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only root can act as another user")
 CHILD = (
     "import json, sys\n"
     "from pathlib import Path\n"
@@ -109,20 +115,20 @@ def test_default_home_honours_worker_home(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_first_start_reuse_and_persistence(home: Path) -> None:
-    started = time.perf_counter()
     server = ensure_running(home)
-    first_start = time.perf_counter() - started
-    assert first_start < 30
-    assert server.url() == f"postgresql://postgres@127.0.0.1:{server.port}/worker"
+    secret = (home / "secret").read_text().strip()
+    assert server.url() == f"postgresql://postgres:{secret}@127.0.0.1:{server.port}/worker"
+    assert secret not in repr(server)
     assert server.datadir == home / "pgdata"
     assert (home / "pgdata" / "PG_VERSION").read_text().strip() == str(server.major_version)
     with psycopg.connect(server.url()) as conn:
         assert conn.execute("SELECT 1").fetchone() == (1,)
     _create_marker(server.url())
 
-    started = time.perf_counter()
+    # Reused, not restarted: the same postmaster, and the server log has no second start.
+    starts = (home / "log" / "postgres.log").read_text().count("database system is ready")
     assert ensure_running(home) == server
-    assert time.perf_counter() - started < 1.0
+    assert (home / "log" / "postgres.log").read_text().count("database system is ready") == starts
 
     current = status(home)
     assert current.running and current.pid == server.pid and current.port == server.port
@@ -130,6 +136,7 @@ def test_first_start_reuse_and_persistence(home: Path) -> None:
     meta = json.loads((home / "embedded.json").read_text())
     assert meta["port"] == server.port and meta["major_version"] == server.major_version
     assert meta["bindir"] == str(server.bindir) and meta["created_at"]
+    assert meta["auth"] == "scram-sha-256" and secret not in json.dumps(meta)
 
     assert stop(home) is True
     assert not status(home).running and status(home).url is None
@@ -271,3 +278,384 @@ def test_home_unreachable_by_postgres_user_is_refused() -> None:
         assert "WORKER_HOME" in str(caught.value)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+# ---- the password ---------------------------------------------------------------------------
+
+
+def _secret(home: Path) -> str:
+    return (home / "secret").read_text().strip()
+
+
+def _write_secret(home: Path, secret: str) -> None:
+    path = home / "secret"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secret + "\n")
+
+
+def _client(port: int, password: str | None, *, dbname: str = "worker") -> str:
+    """A conninfo that brings exactly ``password`` (None: no password at all; no PGPASSWORD,
+    no password file)."""
+    return make_conninfo(
+        host="127.0.0.1",
+        port=port,
+        user="postgres",
+        dbname=dbname,
+        password=password or "",
+        passfile="/nonexistent/pgpass",
+        connect_timeout=5,
+    )
+
+
+def _refusal(conninfo: str) -> str:
+    """The message of a connection attempt that must fail."""
+    with pytest.raises(psycopg.OperationalError) as caught:
+        psycopg.connect(conninfo).close()
+    return str(caught.value)
+
+
+def _hba_rules(home: Path) -> list[list[str]]:
+    text = (home / "pgdata" / "pg_hba.conf").read_text()
+    return [line.split() for line in text.splitlines() if line.split() and line[0] != "#"]
+
+
+def _as_user(user: str, cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    pw = pwd.getpwnam(user)
+    return subprocess.run(
+        cmd,
+        env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        user=pw.pw_uid,
+        group=pw.pw_gid,
+        extra_groups=[],
+        cwd="/",
+        check=False,
+    )
+
+
+def _psql_as(user: str, server: embedded.EmbeddedServer, password: str | None) -> tuple[int, str]:
+    env = {"PGPASSFILE": "/nonexistent/pgpass"} | ({"PGPASSWORD": password} if password else {})
+    target = ["-h", "127.0.0.1", "-p", str(server.port), "-U", "postgres", "-d", "worker"]
+    res = _as_user(
+        user, [str(server.bindir / "psql"), "-w", "-X", *target, "-Atc", "SELECT 42"], env
+    )
+    return res.returncode, res.stdout.strip() + res.stderr.strip()
+
+
+@contextlib.contextmanager
+def _effective_user(name: str) -> Iterator[None]:
+    """Act as ``name`` in this process (a Python client as that user), then as root again."""
+    pw, groups = pwd.getpwnam(name), os.getgroups()
+    os.setgroups([])
+    os.setegid(pw.pw_gid)
+    os.seteuid(pw.pw_uid)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+        os.setgroups(groups)
+
+
+def test_password_required_and_secret_private(home: Path) -> None:
+    with capture_logs() as logs:
+        server = ensure_running(home)
+    info = (home / "secret").stat()
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    secret = _secret(home)
+    assert len(secret) >= 43  # 32 random bytes
+    assert not list(home.glob(".initdb-pw.*"))  # initdb's pwfile is gone
+
+    rules = _hba_rules(home)
+    assert rules and all(rule[-1] == AUTH for rule in rules)
+    assert {rule[0] for rule in rules} == {"local", "host"}
+    assert "trust" not in (home / "pgdata" / "pg_hba.conf").read_text()
+    with psycopg.connect(server.url()) as conn:
+        loaded = conn.execute("SELECT DISTINCT auth_method, error FROM pg_hba_file_rules")
+        assert loaded.fetchall() == [(AUTH, None)]
+        assert conn.execute("SHOW password_encryption").fetchone() == (AUTH,)
+        stored = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = 'postgres'")
+        assert str(stored.fetchone()[0]).startswith("SCRAM-SHA-256$")  # type: ignore[index]
+
+    assert "no password supplied" in _refusal(_client(server.port, None))
+    assert "password authentication failed" in _refusal(_client(server.port, "wrong"))
+    with psycopg.connect(_client(server.port, secret)) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+    # Never logged, and in no file but the secret file.
+    events = [entry["event"] for entry in logs]
+    assert "embedded_postgres_secret_created" in events and "embedded_postgres_ready" in events
+    assert secret not in repr(logs)
+    assert secret not in (home / "log" / "postgres.log").read_text()
+    assert secret not in (home / "embedded.json").read_text()
+
+
+@ROOT_ONLY
+def test_local_user_without_the_secret_is_refused(home: Path) -> None:
+    server = ensure_running(home)
+    secret = _secret(home)
+    # The control: with the secret, nobody does get in, so the refusals are about the password.
+    assert _psql_as("nobody", server, secret) == (0, "42")
+    code, out = _psql_as("nobody", server, None)
+    assert code != 0 and "no password supplied" in out, out
+    code, out = _psql_as("nobody", server, "wrong")
+    assert code != 0 and "password authentication failed" in out, out
+
+    # Neither nobody nor the postgres user that runs the server can read the secret.
+    for user in ("nobody", os.environ.get("WORKER_PG_USER", "postgres")):
+        res = _as_user(user, ["cat", str(home / "secret")], {})
+        assert res.returncode != 0 and "Permission denied" in res.stderr, (user, res)
+
+    # A Python client as nobody, and the project's own entry point as nobody.
+    with _effective_user("nobody"):
+        no_password = _refusal(_client(server.port, None))
+        wrong_password = _refusal(_client(server.port, "wrong"))
+        with pytest.raises(EmbeddedPostgresError) as caught:
+            ensure_running(home)
+    assert "no password supplied" in no_password
+    assert "password authentication failed" in wrong_password
+    assert caught.value.code == "EMBEDDED_SECRET_UNREADABLE"
+    assert str(home / "secret") in str(caught.value) and "DATABASE_URL" in str(caught.value)
+    assert status(home).pid == server.pid
+
+
+def test_secret_readable_by_others_is_refused(home: Path) -> None:
+    server = ensure_running(home)
+    (home / "secret").chmod(0o640)
+    with pytest.raises(EmbeddedPostgresError) as caught:
+        ensure_running(home)
+    assert caught.value.code == "EMBEDDED_SECRET_UNSAFE"
+    assert "chmod 600" in str(caught.value) and "0640" in str(caught.value)
+    assert _secret(home) not in str(caught.value)
+    (home / "secret").chmod(0o600)
+    assert ensure_running(home) == server
+
+
+def test_lost_secret_is_refused_never_replaced(home: Path) -> None:
+    server = ensure_running(home)
+    _create_marker(server.url())
+    secret = _secret(home)
+    assert stop(home) is True
+    (home / "secret").unlink()
+    with pytest.raises(EmbeddedPostgresError) as caught:
+        ensure_running(home, timeout=30)
+    assert caught.value.code == "EMBEDDED_SECRET_MISSING"
+    assert str(home / "secret") in str(caught.value) and "restore" in str(caught.value)
+    assert not (home / "secret").exists()  # no new secret locks the data away for good
+    assert not status(home).running
+    _write_secret(home, secret)
+    assert _read_marker(ensure_running(home).url()) == 42
+
+
+def test_wrong_secret_is_refused_and_server_kept(home: Path) -> None:
+    server = ensure_running(home)
+    secret = _secret(home)
+    _write_secret(home, "not-the-password")
+    with pytest.raises(EmbeddedPostgresError) as caught:
+        ensure_running(home, timeout=30)
+    assert caught.value.code == "EMBEDDED_AUTH_FAILED"
+    assert "not-the-password" not in str(caught.value)
+    assert _alive(server.pid) and status(home).pid == server.pid
+    _write_secret(home, secret)
+    assert ensure_running(home) == server
+
+
+# ---- data directories from before passwords -------------------------------------------------
+
+
+def _trust_cluster(home: Path, *, running: bool) -> int:
+    """A data directory as versions before passwords made it: initdb --auth=trust, no secret,
+    embedded.json without "auth". Returns its port."""
+    pw = embedded._target_user()
+    bindir = embedded._resolve_bindir(pw)
+    encoding = ("--encoding=UTF8", "--no-locale")  # as those versions ran initdb
+    datadir, logdir = home / "pgdata", home / "log"
+
+    def run(program: str, *args: str) -> None:
+        rc, out = embedded._run([str(bindir / program), *args], pw, cwd=home, timeout=120)
+        assert rc == 0, out
+
+    for directory, mode in ((datadir, 0o700), (logdir, 0o755)):
+        directory.mkdir(mode=mode)
+        if pw is not None:
+            os.chown(directory, pw.pw_uid, pw.pw_gid)
+    run("initdb", "-D", str(datadir), "--auth=trust", "-U", "postgres", *encoding)
+    with open(datadir / "postgresql.conf", "a", encoding="utf-8") as conf:
+        conf.write(embedded._CONF)
+    port = embedded._bindable(0)
+    assert port is not None
+    log_file = str(logdir / "postgres.log")
+    run("pg_ctl", "start", "-w", "-D", str(datadir), "-l", log_file, "-o", f"-p {port}")
+    with psycopg.connect(_client(port, None, dbname="postgres"), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE worker")
+    _create_marker(_client(port, None))
+    meta = {
+        "bindir": str(bindir),
+        "major_version": int((datadir / "PG_VERSION").read_text()),
+        "port": port,
+        "created_at": "2025-01-01T00:00:00+00:00",
+    }
+    (home / "embedded.json").write_text(json.dumps(meta))
+    if not running:
+        run("pg_ctl", "stop", "-D", str(datadir), "-m", "fast", "-w")
+    return port
+
+
+@pytest.mark.parametrize("running", [True, False], ids=["live", "stopped"])
+def test_trust_data_directory_moves_to_the_password(home: Path, running: bool) -> None:
+    port = _trust_cluster(home, running=running)
+    assert any(rule[-1] == "trust" for rule in _hba_rules(home))
+    pid = None
+    if running:
+        with psycopg.connect(_client(port, None)) as conn:  # the hole being closed
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        pid = status(home).pid
+        assert pid is not None
+
+    with capture_logs() as logs:
+        server = ensure_running(home)
+    secret = _secret(home)
+    assert stat.S_IMODE((home / "secret").stat().st_mode) == 0o600
+    assert server.port == port
+    if pid is not None:
+        assert server.pid == pid  # moved while it ran, not restarted
+    rules = _hba_rules(home)
+    assert rules and all(rule[-1] == AUTH for rule in rules)
+    assert "no password supplied" in _refusal(_client(port, None))
+    assert "password authentication failed" in _refusal(_client(port, "wrong"))
+    assert _read_marker(server.url()) == 42
+    assert json.loads((home / "embedded.json").read_text())["auth"] == AUTH
+    events = [entry["event"] for entry in logs]
+    assert "embedded_postgres_pg_hba_replaced" in events
+    assert secret not in repr(logs)
+    assert secret not in (home / "log" / "postgres.log").read_text()
+
+    # It stays so: the fast path, then a restart.
+    assert ensure_running(home) == server
+    assert stop(home) is True
+    again = ensure_running(home)
+    assert "no password supplied" in _refusal(_client(again.port, None))
+    assert _read_marker(again.url()) == 42
+
+
+def test_interrupted_trust_migration_is_finished(home: Path) -> None:
+    """The worst moment to die: the secret written and pg_hba.conf replaced, but the running
+    server never reloaded it, so it still trusts everyone."""
+    port = _trust_cluster(home, running=True)
+    _write_secret(home, "a-secret-from-the-interrupted-run")
+    _write_as_server(home / "pgdata" / "pg_hba.conf", embedded._HBA.encode())
+    with psycopg.connect(_client(port, None)) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+    server = ensure_running(home)
+    assert server.password == "a-secret-from-the-interrupted-run"  # kept, not replaced
+    assert "no password supplied" in _refusal(_client(port, None))
+    assert _read_marker(server.url()) == 42
+
+
+def test_pg_hba_elsewhere_that_trusts_is_refused(home: Path) -> None:
+    _trust_cluster(home, running=False)
+    datadir = home / "pgdata"
+    trusting = datadir / "other_hba.conf"
+    _write_as_server(trusting, (datadir / "pg_hba.conf").read_bytes())
+    with open(datadir / "postgresql.conf", "a", encoding="utf-8") as conf:
+        conf.write(f"hba_file = '{trusting}'\n")
+    with pytest.raises(EmbeddedPostgresError) as caught:
+        ensure_running(home, timeout=60)
+    assert caught.value.code == "EMBEDDED_AUTH_UNENFORCED"
+    assert str(trusting) in str(caught.value) and "hba_file" in str(caught.value)
+
+
+# ---- a damaged postmaster.pid under a live server ------------------------------------------
+
+
+def _damage(pidfile: Path, how: str) -> None:
+    if how == "missing":
+        pidfile.unlink()
+    else:
+        first = pidfile.read_text().splitlines()[0] + "\n"
+        _write_as_server(pidfile, b"" if how == "empty" else first.encode())
+
+
+def test_proc_evidence_names_the_postmaster(home: Path) -> None:
+    server = ensure_running(home)
+    datadir = home / "pgdata"
+    lines = (datadir / "postmaster.pid").read_text().splitlines()
+    client = psycopg.connect(server.url())
+    try:
+        backend = client.info.backend_pid
+        procs = postmaster.processes(datadir)
+        assert server.pid in procs and backend in procs
+        assert postmaster.find_postmaster(datadir) == server.pid
+        assert postmaster.is_postmaster(server.pid, datadir)
+        assert not postmaster.is_postmaster(backend, datadir)
+        assert postmaster.parent(backend) == server.pid
+        assert postmaster.listen_ports(server.pid) == [server.port]
+        assert postmaster.listen_ports(backend) == []
+        assert postmaster.orphans(datadir) == []  # its postmaster lives: nothing to signal
+        key, shmid = lines[6].split()
+        assert postmaster.shm_segment(server.pid) == (int(key), int(shmid))
+    finally:
+        client.close()
+
+
+def _assert_same_pidfile(repaired: str, original: str) -> None:
+    """The repaired pid file is what Postgres wrote, line for line, except that the start
+    time comes from pg_postmaster_start_time(), taken a moment after the one Postgres wrote
+    (pg_ctl allows it 2 s)."""
+    got, want = repaired.splitlines(), original.splitlines()
+    assert len(got) == len(want) == 8, (got, want)
+    assert got[:2] == want[:2] and got[3:] == want[3:], (got, want)
+    assert abs(int(got[2]) - int(want[2])) <= 1, (got, want)
+
+
+@pytest.mark.parametrize("damage", ["empty", "first_line", "missing"])
+@pytest.mark.parametrize("entry", ["ensure_running", "status", "cli_db_url"])
+def test_live_server_with_damaged_pidfile_is_kept(home: Path, entry: str, damage: str) -> None:
+    server = ensure_running(home)
+    pidfile = home / "pgdata" / "postmaster.pid"
+    original = pidfile.read_text()
+    client = psycopg.connect(server.url())  # a backend, which must survive too
+    try:
+        _damage(pidfile, damage)
+        if entry == "ensure_running":
+            assert ensure_running(home, timeout=30) == server
+        elif entry == "status":
+            current = status(home)
+            assert current.running and current.pid == server.pid
+            assert current.port == server.port and current.url == server.url()
+        else:
+            env = {k: v for k, v in _child_env().items() if "DATABASE_URL" not in k}
+            res = subprocess.run(
+                [str(WORKER), "db", "url", "--role", "owner"],
+                env={**env, "WORKER_HOME": str(home)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.strip() == server.url()
+            assert "embedded_postgres_pidfile_repaired" in res.stderr
+            assert server.password not in res.stderr
+        assert _alive(server.pid)
+        assert client.execute("SELECT 1").fetchone() == (1,)
+        _assert_same_pidfile(pidfile.read_text(), original)
+        assert status(home).pid == server.pid
+        assert ensure_running(home) == server
+    finally:
+        client.close()
+
+
+def test_stop_with_empty_pidfile_stops_the_live_server(home: Path) -> None:
+    server = ensure_running(home)
+    _write_as_server(home / "pgdata" / "postmaster.pid", b"")
+    assert stop(home) is True
+    assert not _alive(server.pid)
+    assert not status(home).running
+    again = ensure_running(home)
+    assert again.pid != server.pid and again.port == server.port

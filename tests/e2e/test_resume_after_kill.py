@@ -21,7 +21,9 @@ WORKER = str(Path(sys.executable).parent / "worker")
 
 
 def start_worker(url: str, ready: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ, WORKER_DATABASE_URL=url, TEST_SIDE_EFFECTS_URL=url, PYTHONPATH=str(ROOT)
+    )
     return subprocess.Popen(
         [
             WORKER,

@@ -1,8 +1,10 @@
 """Races on one step between real connections that commit.
 
 A claimed receipt is an execution lock: however two attempts interleave, the step's side
-effect happens once. Locks are held on purpose and the waiter is seen waiting in
-pg_stat_activity (polled with a deadline) before the holder lets go.
+effect happens once. Every run is a real one (admitted and claimed, ``tests/attempts.py``)
+and a stale attempt is made by the real recovery pass and a real second claim. Locks are
+held on purpose and the waiter is seen waiting in pg_stat_activity (polled with a deadline)
+before the holder lets go; nothing sleeps to wait for a state.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 
-from queues import receipts
+from queues import receipts, recovery
 from queues.errors import StaleAttempt
-from queues.receipts import JSON, ClaimOutcome, Scope
+from queues.fence import Fence
+from queues.receipts import JSON, ClaimOutcome, ReceiptStatus, Scope
+from tests import attempts
+from tests.attempts import ORG, PLAY, Attempt
+from tests.workers import connect
 
 Conn = psycopg.AsyncConnection[Any]
 LEASE = 30.0
@@ -27,45 +32,16 @@ SCOPE = Scope.named("shared")
 DEADLINE_S = 10.0
 
 
-@asynccontextmanager
-async def connect(url: str) -> AsyncIterator[Conn]:
-    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
 async def setup(conn: Conn) -> None:
-    await conn.execute(
-        "INSERT INTO wq_lanes (name, release) VALUES ('r-test', 'test') ON CONFLICT DO NOTHING"
-    )
+    """The table a step's side effect writes to (one row per execution)."""
     await conn.execute(
         "CREATE TABLE IF NOT EXISTS side_effects ("
         " step_key text NOT NULL, run_id uuid NOT NULL, attempt integer NOT NULL)"
     )
 
 
-async def make_run(conn: Conn, *, attempt: int = 1) -> uuid.UUID:
-    run_id = uuid.uuid4()
-    await conn.execute(
-        "INSERT INTO wq_runs (id, org, play, release, lane, state, attempt, lease_owner,"
-        " lease_expires_at) VALUES (%(id)s, 'org', 'play', 'test', 'r-test', 'running',"
-        " %(attempt)s, 'w1', now() + interval '30 seconds')",
-        {"id": run_id, "attempt": attempt},
-    )
-    return run_id
-
-
-def ref(run_id: uuid.UUID, attempt: int, key: str, scope: Scope = SCOPE) -> dict[str, Any]:
-    return {
-        "org": "org",
-        "play": "play",
-        "scope": scope,
-        "step_key": key,
-        "run_id": run_id,
-        "attempt": attempt,
-    }
+def ref(fence: Fence, key: str, scope: Scope = SCOPE) -> dict[str, Any]:
+    return {"org": ORG, "play": PLAY, "scope": scope, "step_key": key, "fence": fence}
 
 
 async def executions(conn: Conn, key: str) -> list[tuple[uuid.UUID, int]]:
@@ -75,20 +51,18 @@ async def executions(conn: Conn, key: str) -> list[tuple[uuid.UUID, int]]:
     return [(row[0], row[1]) for row in await cur.fetchall()]
 
 
-async def run_step(conn: Conn, run_id: uuid.UUID, attempt: int, key: str) -> tuple[str, JSON]:
+async def run_step(conn: Conn, fence: Fence, key: str) -> tuple[str, JSON]:
     """What ctx.step does: claim (committed), execute once, record; or replay; or wait."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
-        claim = await receipts.claim(conn, **ref(run_id, attempt, key), lease_s=LEASE)
+        claim = await receipts.claim(conn, **ref(fence, key), lease_s=LEASE)
         if claim.outcome is ClaimOutcome.EXECUTE:
             await conn.execute(
                 "INSERT INTO side_effects (step_key, run_id, attempt) VALUES (%(k)s, %(r)s, %(a)s)",
-                {"k": key, "r": run_id, "a": attempt},
+                {"k": key, "r": fence.run_id, "a": fence.attempt},
             )
-            result = {"by": str(run_id)}
-            return "execute", await receipts.complete(
-                conn, **ref(run_id, attempt, key), result=result
-            )
+            result = {"by": str(fence.run_id)}
+            return "execute", await receipts.complete(conn, **ref(fence, key), result=result)
         if claim.outcome is ClaimOutcome.REPLAY:
             return "replay", claim.result
         assert claim.outcome is ClaimOutcome.BUSY, claim
@@ -96,10 +70,14 @@ async def run_step(conn: Conn, run_id: uuid.UUID, attempt: int, key: str) -> tup
         await asyncio.sleep(0.01)  # poll the holder's claim, under the deadline
 
 
-async def wait_until_blocked(observer: Conn, pid: int) -> None:
-    """Poll pg_stat_activity until backend `pid` waits on a lock; fail at the deadline."""
+async def wait_until_blocked(
+    observer: Conn, pid: int, task: asyncio.Task[Any] | None = None
+) -> None:
+    """Poll pg_stat_activity until backend `pid` waits on a lock; fail at the deadline, or
+    as soon as the waiter's task ended (it did not block)."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
+        assert task is None or not task.done(), "the waiter did not block"
         cur = await observer.execute(
             "SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %(pid)s",
             {"pid": pid},
@@ -111,27 +89,36 @@ async def wait_until_blocked(observer: Conn, pid: int) -> None:
         await asyncio.sleep(0.01)
 
 
+def past_lease(a: Attempt) -> datetime:
+    """A recovery pass's clock, just after the attempt's lease lapsed."""
+    return a.lapses_at + timedelta(seconds=1)
+
+
 async def test_two_runs_racing_one_step_execute_it_once(db_url: str) -> None:
     async with connect(db_url) as a, connect(db_url) as b:
         await setup(a)
-        run_a, run_b = await make_run(a), await make_run(a)
+        run_a, run_b = await attempts.start(a), await attempts.start(a)
         for i in range(25):
             key = f"race#{i}"
-            outcomes = await asyncio.gather(run_step(a, run_a, 1, key), run_step(b, run_b, 1, key))
+            outcomes = await asyncio.gather(
+                run_step(a, run_a.fence, key), run_step(b, run_b.fence, key)
+            )
             assert sorted(kind for kind, _ in outcomes) == ["execute", "replay"]
             assert outcomes[0][1] == outcomes[1][1]  # both see the one recorded result
-            assert len(await executions(a, key)) == 1
+            executed = await executions(a, key)
+            assert len(executed) == 1
+            assert outcomes[0][1] == {"by": str(executed[0][0])}  # the executor's result
 
 
 async def test_concurrent_claims_give_one_execute_and_one_busy(db_url: str) -> None:
     async with connect(db_url) as a, connect(db_url) as b:
         await setup(a)
-        run_a, run_b = await make_run(a), await make_run(a)
+        run_a, run_b = await attempts.start(a), await attempts.start(a)
         for i in range(25):
             key = f"claim#{i}"
             claims = await asyncio.gather(
-                receipts.claim(a, **ref(run_a, 1, key), lease_s=LEASE),
-                receipts.claim(b, **ref(run_b, 1, key), lease_s=LEASE),
+                receipts.claim(a, **ref(run_a.fence, key), lease_s=LEASE),
+                receipts.claim(b, **ref(run_b.fence, key), lease_s=LEASE),
             )
             assert sorted(c.outcome for c in claims) == [ClaimOutcome.BUSY, ClaimOutcome.EXECUTE]
             winner = next(c for c in claims if c.outcome is ClaimOutcome.EXECUTE)
@@ -143,15 +130,20 @@ async def test_concurrent_claims_give_one_execute_and_one_busy(db_url: str) -> N
 async def test_stale_and_current_attempt_racing_execute_once(db_url: str) -> None:
     async with connect(db_url) as a, connect(db_url) as b:
         await setup(a)
-        run_id = await make_run(a, attempt=2)  # attempt 1 is a zombie that lost its lease
+        zombie = await attempts.start(a)  # attempt 1 lapses, is rescued, and w2 claims 2
+        live = await attempts.supersede(a, zombie)
+        run_id = live.run_id
         for i in range(10):
             key = f"zombie#{i}"
             outcomes = await asyncio.gather(
-                run_step(a, run_id, 1, key), run_step(b, run_id, 2, key), return_exceptions=True
+                run_step(a, zombie.fence, key),
+                run_step(b, live.fence, key),
+                return_exceptions=True,
             )
             assert isinstance(outcomes[0], StaleAttempt)
             assert outcomes[1] == ("execute", {"by": str(run_id)})
             assert await executions(a, key) == [(run_id, 2)]
+        assert await attempts.refusals(a, run_id) == [(1, "receipt", 1)] * 10
 
 
 @pytest.mark.parametrize("existing", ["absent", "failed"])
@@ -161,66 +153,113 @@ async def test_claim_waits_for_a_holder_in_an_open_transaction_then_replays(
     key = "charge"
     async with connect(db_url) as a, connect(db_url) as b, connect(db_url) as observer:
         await setup(a)
-        run_a, run_b = await make_run(a), await make_run(a)
+        run_a, run_b = await attempts.start(a), await attempts.start(a)
         if existing == "failed":  # a committed row: B waits on its row lock, not an insert
-            await receipts.claim(a, **ref(run_b, 1, key), lease_s=LEASE)
-            await receipts.fail(a, **ref(run_b, 1, key), error={"type": "Boom"})
+            await receipts.claim(a, **ref(run_b.fence, key), lease_s=LEASE)
+            await receipts.fail(a, **ref(run_b.fence, key), error={"type": "Boom"})
 
         async with a.transaction():
-            held = await receipts.claim(a, **ref(run_a, 1, key), lease_s=LEASE)
+            held = await receipts.claim(a, **ref(run_a.fence, key), lease_s=LEASE)
             assert held.outcome is ClaimOutcome.EXECUTE
             await a.execute(
                 "INSERT INTO side_effects (step_key, run_id, attempt) VALUES (%(k)s, %(r)s, 1)",
-                {"k": key, "r": run_a},
+                {"k": key, "r": run_a.run_id},
             )
-            await receipts.complete(a, **ref(run_a, 1, key), result={"charged": 10})
+            await receipts.complete(a, **ref(run_a.fence, key), result={"charged": 10})
 
-            waiter = asyncio.create_task(receipts.claim(b, **ref(run_b, 1, key), lease_s=LEASE))
-            await wait_until_blocked(observer, b.info.backend_pid)
+            waiter = asyncio.create_task(receipts.claim(b, **ref(run_b.fence, key), lease_s=LEASE))
+            await wait_until_blocked(observer, b.info.backend_pid, waiter)
             assert not waiter.done()
         # A committed: B's claim wakes up and sees the completed receipt.
         claim = await asyncio.wait_for(waiter, DEADLINE_S)
         assert claim.outcome is ClaimOutcome.REPLAY
         assert claim.result == {"charged": 10}
-        assert await executions(a, key) == [(run_a, 1)]
+        assert (claim.owner_run, claim.owner_attempt) == (run_a.run_id, 1)
+        assert await executions(a, key) == [(run_a.run_id, 1)]
 
 
-async def test_attempt_bump_waits_for_a_receipt_write_in_flight(db_url: str) -> None:
-    """The fence holds the run row FOR SHARE: a rescue waits, then the write is seen."""
+async def test_a_rescue_pass_skips_a_run_whose_receipt_write_is_in_flight(db_url: str) -> None:
+    """The write holds the run row FOR SHARE until it commits. The recovery pass picks
+    lapsed runs FOR UPDATE SKIP LOCKED, so it does not wait for the write: it leaves the
+    run alone (the rescue cannot land under the write) and the next pass, after the write
+    committed, rescues it; the next attempt then replays what the write recorded."""
     async with connect(db_url) as a, connect(db_url) as rescuer, connect(db_url) as observer:
         await setup(a)
-        run_id = await make_run(a)
-        scope = Scope.of_run(run_id)
-        await receipts.claim(a, **ref(run_id, 1, "s", scope), lease_s=LEASE)
+        old = await attempts.start(a)
+        scope = Scope.of_run(old.run_id)
+        await receipts.claim(a, **ref(old.fence, "s", scope), lease_s=LEASE)
         async with a.transaction():
-            await receipts.complete(a, **ref(run_id, 1, "s", scope), result="done")
-            bump = asyncio.create_task(
-                rescuer.execute(
-                    "UPDATE wq_runs SET attempt = attempt + 1 WHERE id = %(id)s", {"id": run_id}
-                )
+            await receipts.complete(a, **ref(old.fence, "s", scope), result="done")
+            # The lease lapsed, but the write is in flight: a pass now rescues nothing. (A
+            # pass that waited for the write would hang here: the write commits only after.)
+            report = await asyncio.wait_for(
+                recovery.run_once(rescuer, now=past_lease(old)), DEADLINE_S
             )
-            await wait_until_blocked(observer, rescuer.info.backend_pid)
-        await asyncio.wait_for(bump, DEADLINE_S)
-        replay = await receipts.claim(a, **ref(run_id, 2, "s", scope), lease_s=LEASE)
+            assert report.expired == ()
+            assert await attempts.run_row(observer, old.run_id) == {
+                "state": "running",
+                "attempt": 1,
+                "lease_owner": "w1",
+                "cancel": False,
+            }
+            unseen = await receipts.get(observer, org=ORG, play=PLAY, scope=scope, step_key="s")
+            assert unseen is not None and unseen.status is ReceiptStatus.CLAIMED
+        # The write committed; the next pass rescues the run and w2 claims attempt 2.
+        rescued = await attempts.rescue(rescuer, old)
+        assert [(r.run_id, r.attempt, r.state) for r in rescued.expired] == [
+            (old.run_id, 1, "queued")
+        ]
+        new = await attempts.claim(
+            rescuer, worker="w2", now=old.lapses_at + timedelta(minutes=10), run_id=old.run_id
+        )
+        assert new.fence == Fence(old.run_id, 2, "w2")
+        replay = await receipts.claim(a, **ref(new.fence, "s", scope), lease_s=LEASE)
         assert (replay.outcome, replay.result) == (ClaimOutcome.REPLAY, "done")
+        assert (replay.owner_run, replay.owner_attempt) == (old.run_id, 1)
+        assert await attempts.refusals(a, old.run_id) == []
 
 
-async def test_receipt_write_queued_behind_an_attempt_bump_is_refused(db_url: str) -> None:
-    """The other order: the rescue holds the run row; the stale write waits, then fails."""
+async def test_receipt_write_queued_behind_a_rescue_in_flight_is_refused(db_url: str) -> None:
+    """The other order: the rescue holds the run row (FOR UPDATE, then its UPDATE); the
+    stale write waits for it, re-reads the run row after the rescue committed, and is
+    refused: the run is queued, attempt 1 no longer owns it."""
     async with connect(db_url) as a, connect(db_url) as rescuer, connect(db_url) as observer:
         await setup(a)
-        run_id = await make_run(a)
-        scope = Scope.of_run(run_id)
-        await receipts.claim(a, **ref(run_id, 1, "s", scope), lease_s=LEASE)
+        old = await attempts.start(a)
+        scope = Scope.of_run(old.run_id)
+        await receipts.claim(a, **ref(old.fence, "s", scope), lease_s=LEASE)
+        # The pass runs inside a transaction we hold open: its rescue is in flight.
         async with rescuer.transaction():
-            await rescuer.execute(
-                "UPDATE wq_runs SET attempt = attempt + 1 WHERE id = %(id)s", {"id": run_id}
-            )
+            report = await recovery.run_once(rescuer, now=past_lease(old))
+            assert [(r.run_id, r.attempt, r.state) for r in report.expired] == [
+                (old.run_id, 1, "queued")
+            ]
             write = asyncio.create_task(
-                receipts.complete(a, **ref(run_id, 1, "s", scope), result="stale")
+                receipts.complete(a, **ref(old.fence, "s", scope), result="stale")
             )
-            await wait_until_blocked(observer, a.info.backend_pid)
-        with pytest.raises(StaleAttempt, match="now at attempt 2"):
+            await wait_until_blocked(observer, a.info.backend_pid, write)
+            assert not write.done()
+        with pytest.raises(StaleAttempt, match=r"now at attempt 1 \(queued\)"):
             await asyncio.wait_for(write, DEADLINE_S)
-        found = await receipts.get(a, org="org", play="play", scope=scope, step_key="s")
-        assert found is not None and found.result is None and found.status == "claimed"
+        found = await receipts.get(a, org=ORG, play=PLAY, scope=scope, step_key="s")
+        assert found is not None
+        assert (found.status, found.owner_attempt, found.result) == (
+            ReceiptStatus.CLAIMED,
+            1,
+            None,
+        )
+        assert await attempts.refusals(a, old.run_id) == [(1, "receipt", 1)]
+        # The next attempt takes the step over; only its write stands.
+        new = await attempts.claim(
+            rescuer, worker="w2", now=old.lapses_at + timedelta(minutes=10), run_id=old.run_id
+        )
+        taken = await receipts.claim(a, **ref(new.fence, "s", scope), lease_s=LEASE)
+        assert taken.outcome is ClaimOutcome.EXECUTE
+        await receipts.complete(a, **ref(new.fence, "s", scope), result="fresh")
+        done = await receipts.get(a, org=ORG, play=PLAY, scope=scope, step_key="s")
+        assert done is not None
+        assert (done.status, done.owner_attempt, done.result) == (
+            ReceiptStatus.COMPLETED,
+            2,
+            "fresh",
+        )

@@ -1,0 +1,836 @@
+"""This system beside plain SQL, procrastinate, Absurd and Graphile Worker, in one run.
+
+One throwaway Postgres at server defaults (autovacuum on), one fresh database per system,
+the same scenario shapes for every system, each figure printed beside its baselines' with
+the ratio ours / baseline:
+
+- **submit one at a time**: N submits, one after the other, on one connection. Ours in
+  admission-only mode (one ``wq_submit`` statement, autocommit: one round trip);
+  procrastinate ``defer_async``; Absurd ``spawn``; Graphile Worker ``addJob``; plain SQL
+  one autocommit ``INSERT`` of a row (the floor of one durable commit per round trip).
+- **batch submit**: N runs in statements of ``--batch``: ours ``submit_many``;
+  procrastinate ``batch_defer_async``; Graphile Worker ``addJobs``; plain SQL an
+  ``INSERT ... SELECT FROM unnest``. Absurd has no batch spawn.
+- **drain at a concurrency**, cold (never explicitly analyzed) and after ``ANALYZE``: N
+  trivial runs admitted first, then a worker drains them; timed from the first task start
+  to the last finish. Ours: ``worker.runtime.Worker``; procrastinate: its worker (LISTEN,
+  jobs kept); Absurd: ``AsyncAbsurd.start_worker``; Graphile Worker: ``run()``.
+- **drain, tuned**: each system's own high-throughput settings, where it has them
+  (Graphile Worker: a local queue of 500 and batched completion). Ours has no such mode
+  (its claim is already batched up to its free slots, and so is its finish): the row says
+  so.
+- **pickup latency**: an idle worker; single submits ``--spacing`` ms apart; latency is
+  from the submit call's return to the task's start, both on this process's clock (each
+  system's submitter and worker share a process).
+- **steps**: one run that calls its step function ``--steps`` times (ours ``ctx.step``,
+  Absurd ``ctx.step``), timed inside the run.
+
+Graphile Worker runs in Node (``bench/graphile``, installed there with npm on first use);
+without Node or npm its rows say so. Absurd's SDK and schema tool come from the ``bench``
+extra (``pip install -e '.[bench]'``).
+
+Run: ``v/bin/python -m bench.baselines`` (about 3 minutes on 2 cores). Results: a table on
+stdout and ``bench/results/baselines.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import procrastinate
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from bench.common import (
+    BenchError,
+    connect,
+    create_database,
+    drop_database,
+    percentile,
+    run_on_throwaway_server,
+    scalar,
+    server_info,
+)
+from queues import admission, lanes, migrations
+from worker import embedded
+from worker.plays import Registry
+from worker.runtime import Settings, Worker
+
+RELEASE = "bench"
+QUEUE = "bench"
+RESULTS = Path(__file__).resolve().parent / "results" / "baselines.json"
+GRAPHILE_DIR = Path(__file__).resolve().parent / "graphile"
+SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
+SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile")
+POLL_S = 0.02
+
+
+def latency_summary(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    return {
+        "n": len(ms),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+    }
+
+
+def rate(n: int, seconds: float) -> dict[str, float]:
+    return {"n": n, "seconds": round(seconds, 4), "per_s": round(n / seconds, 1)}
+
+
+class FirstStart:
+    """The first task start of a drain, and each keyed task's start (pickup)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.started: dict[Any, float] = {}
+
+    def mark(self, key: Any = None) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+        if key is not None:
+            self.started[key] = now
+
+    def reset(self) -> None:
+        self.first = None
+        self.started = {}
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out waiting for {what}")
+        await asyncio.sleep(POLL_S)
+
+
+async def drained_at(
+    conn: psycopg.AsyncConnection[Any], count_sql: str, since_sql: str, n: int, timeout: float
+) -> float:
+    """perf_counter time of the last finish: poll the done count, then subtract how long
+    ago (server time) the last finish was, so the polling period does not blur it."""
+
+    async def done() -> bool:
+        return int(await scalar(conn, count_sql)) >= n
+
+    await wait_until(done, timeout, f"{n} runs to finish")
+    seen = time.perf_counter()
+    ago = float(await scalar(conn, since_sql) or 0.0)
+    return seen - max(0.0, ago)
+
+
+# ---- ours ---------------------------------------------------------------------------------
+
+
+class Ours:
+    name = "ours"
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+        self.marks = FirstStart()
+        self.registry = Registry()
+        marks = self.marks
+
+        @self.registry.play("noop")
+        async def noop(ctx: Any, params: dict[str, Any]) -> None:
+            marks.mark(params.get("i"))
+
+        steps_n = args.steps
+        self.step_seconds: float | None = None
+
+        @self.registry.play("steps")
+        async def steps(ctx: Any, params: dict[str, Any]) -> None:
+            async def one() -> int:
+                return 1
+
+            t0 = time.perf_counter()
+            for i in range(steps_n):
+                await ctx.step(f"s{i}", one)
+            self.step_seconds = time.perf_counter() - t0
+
+    async def setup(self) -> None:
+        async with await connect(self.url) as conn:
+            await migrations.migrate(conn)
+            async with conn.transaction():
+                await lanes.prepare(conn, RELEASE)
+        self.admitter = admission.Admitter(admission_only=True)
+        self.conn = await connect(self.url)
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    def _sub(self, i: int, play: str = "noop") -> admission.Submission:
+        return admission.Submission(play=play, params={"i": i}, release=RELEASE)
+
+    async def submit_one(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await self.admitter.submit(self.conn, self._sub(i))
+        return time.perf_counter() - t0
+
+    async def submit_batch(self, n: int, batch: int) -> float:
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            await admission.submit_many(
+                self.conn, [self._sub(i) for i in range(start, min(n, start + batch))]
+            )
+        return time.perf_counter() - t0
+
+    async def clear(self) -> None:
+        # Keep history (as a user would): only wait for nothing to be queued.
+        return None
+
+    def _worker(self, concurrency: int) -> Worker:
+        settings = Settings(
+            url=self.url,
+            release=RELEASE,
+            registry=self.registry,
+            concurrency=concurrency,
+            grace_s=5.0,
+            install_signals=False,
+        )
+        return Worker(settings)
+
+    async def drain(self, n: int, concurrency: int, *, analyze: bool, tuned: bool) -> float:
+        await self.submit_batch(n, 1000)
+        if analyze:
+            await self.conn.execute("ANALYZE")
+        before = int(
+            await scalar(self.conn, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
+        )
+        self.marks.reset()
+        worker = self._worker(concurrency)
+        task = asyncio.create_task(worker.run())
+        try:
+            end = await drained_at(
+                self.conn,
+                "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'",
+                "SELECT extract(epoch FROM clock_timestamp() - max(finished_at)) FROM wq_runs",
+                before + n,
+                self.args.phase_timeout,
+            )
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+        assert self.marks.first is not None
+        return end - self.marks.first
+
+    async def pickup(self, samples: int, spacing_s: float, concurrency: int) -> list[float]:
+        self.marks.reset()
+        worker = self._worker(concurrency)
+        task = asyncio.create_task(worker.run())
+        try:
+            await asyncio.wait_for(worker.ready.wait(), 30)
+            await asyncio.sleep(0.5)
+            returned: dict[int, float] = {}
+            for i in range(samples):
+                await self.admitter.submit(self.conn, self._sub(10_000_000 + i))
+                returned[10_000_000 + i] = time.perf_counter()
+                await asyncio.sleep(spacing_s)
+
+            async def all_started() -> bool:
+                return len(self.marks.started) >= samples
+
+            await wait_until(all_started, 10, "pickups")
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+        return [self.marks.started[k] - t for k, t in returned.items() if k in self.marks.started]
+
+    async def steps(self, concurrency: int) -> float:
+        await self.admitter.submit(self.conn, self._sub(0, "steps"))
+        worker = self._worker(concurrency)
+        task = asyncio.create_task(worker.run())
+        try:
+
+            async def done() -> bool:
+                return self.step_seconds is not None
+
+            await wait_until(done, self.args.phase_timeout, "the steps run")
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+        assert self.step_seconds is not None
+        return self.step_seconds
+
+
+# ---- plain SQL ------------------------------------------------------------------------------
+
+
+class Plain:
+    """The floor: the same durable writes with no queue (one row per submit)."""
+
+    name = "plain"
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+
+    async def setup(self) -> None:
+        self.conn = await connect(self.url)
+        await self.conn.execute(
+            "CREATE TABLE jobs (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+            " payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now())"
+        )
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def submit_one(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await self.conn.execute(
+                "INSERT INTO jobs (payload) VALUES (%s::jsonb)", (json.dumps({"i": i}),)
+            )
+        return time.perf_counter() - t0
+
+    async def submit_batch(self, n: int, batch: int) -> float:
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            payloads = [json.dumps({"i": i}) for i in range(start, min(n, start + batch))]
+            await self.conn.execute(
+                "INSERT INTO jobs (payload) SELECT p::jsonb FROM unnest(%s::text[]) AS p",
+                (payloads,),
+            )
+        return time.perf_counter() - t0
+
+
+# ---- procrastinate --------------------------------------------------------------------------
+
+
+class Procrastinate:
+    name = "procrastinate"
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+        self.marks = FirstStart()
+
+    def _app(self, max_size: int) -> procrastinate.App:
+        connector = procrastinate.PsycopgConnector(conninfo=self.url, min_size=1, max_size=max_size)
+        app = procrastinate.App(connector=connector)
+        marks = self.marks
+
+        @app.task(name="bench.noop", queue=QUEUE)
+        async def noop(i: int) -> None:
+            marks.mark(i)
+
+        return app
+
+    async def setup(self) -> None:
+        async with self._app(1).open_async() as app:
+            await app.schema_manager.apply_schema_async()
+        self.app = self._app(2)
+        self.noop = self.app.tasks["bench.noop"]  # the submitter's app defers
+        await self.app.open_async()
+        self.conn = await connect(self.url)
+
+    async def close(self) -> None:
+        await self.app.close_async()
+        await self.conn.close()
+
+    async def submit_one(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await self.noop.defer_async(i=i)
+        return time.perf_counter() - t0
+
+    async def submit_batch(self, n: int, batch: int) -> float:
+        t0 = time.perf_counter()
+        for start in range(0, n, batch):
+            await self.noop.batch_defer_async(
+                *({"i": i} for i in range(start, min(n, start + batch)))
+            )
+        return time.perf_counter() - t0
+
+    async def _run_worker(self, concurrency: int) -> tuple[procrastinate.App, asyncio.Task[None]]:
+        app = self._app(concurrency + 5)
+
+        async def go() -> None:
+            async with app.open_async():
+                await app.run_worker_async(
+                    queues=[QUEUE],
+                    concurrency=concurrency,
+                    wait=True,
+                    listen_notify=True,
+                    fetch_job_polling_interval=1.0,
+                    delete_jobs="never",
+                    install_signal_handlers=False,
+                )
+
+        return app, asyncio.create_task(go())
+
+    async def _stop(self, task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(task, 30)
+
+    async def drain(self, n: int, concurrency: int, *, analyze: bool, tuned: bool) -> float:
+        await self.submit_batch(n, 1000)
+        if analyze:
+            await self.conn.execute("ANALYZE")
+        done_sql = "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'"
+        before = int(await scalar(self.conn, done_sql))
+        self.marks.reset()
+        _, task = await self._run_worker(concurrency)
+        try:
+            end = await drained_at(
+                self.conn,
+                done_sql,
+                "SELECT extract(epoch FROM clock_timestamp() - max(at)) FROM procrastinate_events"
+                " WHERE type = 'succeeded'",
+                before + n,
+                self.args.phase_timeout,
+            )
+        finally:
+            await self._stop(task)
+        assert self.marks.first is not None
+        return end - self.marks.first
+
+    async def pickup(self, samples: int, spacing_s: float, concurrency: int) -> list[float]:
+        self.marks.reset()
+        _, task = await self._run_worker(concurrency)
+        try:
+
+            async def listening() -> bool:
+                return bool(
+                    await scalar(
+                        self.conn,
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND query LIKE 'LISTEN %%'",
+                    )
+                )
+
+            await wait_until(listening, 30, "procrastinate's LISTEN")
+            await asyncio.sleep(0.5)
+            returned: dict[int, float] = {}
+            for i in range(samples):
+                await self.noop.defer_async(i=10_000_000 + i)
+                returned[10_000_000 + i] = time.perf_counter()
+                await asyncio.sleep(spacing_s)
+
+            async def all_started() -> bool:
+                return len(self.marks.started) >= samples
+
+            await wait_until(all_started, 10, "pickups")
+        finally:
+            await self._stop(task)
+        return [self.marks.started[k] - t for k, t in returned.items() if k in self.marks.started]
+
+
+# ---- Absurd ---------------------------------------------------------------------------------
+
+
+class Absurd:
+    name = "absurd"
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+        self.marks = FirstStart()
+        self.step_seconds: float | None = None
+
+    def _client(self) -> Any:
+        from absurd_sdk import AsyncAbsurd
+
+        client = AsyncAbsurd(self.url, queue_name=QUEUE)
+        marks = self.marks
+        steps_n = self.args.steps
+
+        @client.register_task("noop")
+        async def noop(params: Any, ctx: Any) -> None:
+            marks.mark(params.get("i"))
+
+        @client.register_task("steps")
+        async def steps(params: Any, ctx: Any) -> None:
+            async def one() -> int:
+                return 1
+
+            t0 = time.perf_counter()
+            for i in range(steps_n):
+                await ctx.step(f"s{i}", one)
+            self.step_seconds = time.perf_counter() - t0
+
+        return client
+
+    async def setup(self) -> None:
+        env = {**os.environ, "ABSURD_DATABASE_URL": self.url}
+        absurdctl = str(Path(sys.executable).parent / "absurdctl")
+        for cmd in (["init"], ["create-queue", QUEUE]):
+            res = subprocess.run(
+                [absurdctl, *cmd], env=env, capture_output=True, text=True, timeout=120, check=False
+            )
+            if res.returncode != 0:
+                raise BenchError(f"absurdctl {' '.join(cmd)} failed: {res.stderr[-500:]}")
+        self.client = self._client()
+        self.conn = await connect(self.url)
+
+    async def close(self) -> None:
+        await self.client.close()
+        await self.conn.close()
+
+    async def submit_one(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await self.client.spawn("noop", {"i": i})
+        return time.perf_counter() - t0
+
+    async def _run_worker(self, concurrency: int) -> tuple[Any, asyncio.Task[None]]:
+        worker = self._client()
+        task = asyncio.create_task(worker.start_worker(concurrency=concurrency, poll_interval=0.25))
+        return worker, task
+
+    async def _stop(self, worker: Any, task: asyncio.Task[None]) -> None:
+        worker.stop_worker()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)
+        await worker.close()
+
+    async def drain(self, n: int, concurrency: int, *, analyze: bool, tuned: bool) -> float:
+        for i in range(n):
+            await self.client.spawn("noop", {"i": i})
+        if analyze:
+            await self.conn.execute("ANALYZE")
+        done_sql = f"SELECT count(*) FROM absurd.t_{QUEUE} WHERE state = 'completed'"
+        before = int(await scalar(self.conn, done_sql))
+        self.marks.reset()
+        worker, task = await self._run_worker(concurrency)
+        try:
+            end = await drained_at(
+                self.conn,
+                done_sql,
+                "SELECT extract(epoch FROM clock_timestamp() - max(completed_at))"
+                f" FROM absurd.r_{QUEUE}",
+                before + n,
+                self.args.phase_timeout,
+            )
+        finally:
+            await self._stop(worker, task)
+        assert self.marks.first is not None
+        return end - self.marks.first
+
+    async def pickup(self, samples: int, spacing_s: float, concurrency: int) -> list[float]:
+        self.marks.reset()
+        worker, task = await self._run_worker(concurrency)
+        try:
+            await asyncio.sleep(0.5)
+            returned: dict[int, float] = {}
+            for i in range(samples):
+                await self.client.spawn("noop", {"i": 10_000_000 + i})
+                returned[10_000_000 + i] = time.perf_counter()
+                await asyncio.sleep(spacing_s)
+
+            async def all_started() -> bool:
+                return len(self.marks.started) >= samples
+
+            await wait_until(all_started, 10, "pickups")
+        finally:
+            await self._stop(worker, task)
+        return [self.marks.started[k] - t for k, t in returned.items() if k in self.marks.started]
+
+    async def steps(self, concurrency: int) -> float:
+        await self.client.spawn("steps", {})
+        worker, task = await self._run_worker(concurrency)
+        try:
+
+            async def done() -> bool:
+                return self.step_seconds is not None
+
+            await wait_until(done, self.args.phase_timeout, "the steps task")
+        finally:
+            await self._stop(worker, task)
+        assert self.step_seconds is not None
+        return self.step_seconds
+
+
+# ---- Graphile Worker (Node) -----------------------------------------------------------------
+
+
+def graphile_ready() -> str | None:
+    """Install Graphile Worker with npm on first use; the reason it cannot run, or None."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        return "Node.js and npm are not installed: Graphile Worker not measured"
+    if not (GRAPHILE_DIR / "node_modules" / "graphile-worker").exists():
+        print("installing Graphile Worker with npm into bench/graphile ...", file=sys.stderr)
+        res = subprocess.run(
+            ["npm", "install", "--no-audit", "--no-fund", "--silent"],
+            cwd=GRAPHILE_DIR,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if res.returncode != 0:
+            return f"npm install failed: {res.stderr.strip()[-300:]}"
+    return None
+
+
+class Graphile:
+    name = "graphile"
+
+    def __init__(self, url: str, args: argparse.Namespace) -> None:
+        self.url = url
+        self.args = args
+
+    def _node(self, *argv: str) -> dict[str, Any]:
+        c = conninfo_to_dict(self.url)
+        uri = (
+            f"postgresql://{c.get('user', 'postgres')}:{c.get('password', '')}"
+            f"@{c.get('host', '127.0.0.1')}:{c.get('port', 5432)}/{c['dbname']}"
+        )
+        res = subprocess.run(
+            ["node", str(GRAPHILE_DIR / "bench.mjs"), uri, *argv],
+            capture_output=True,
+            text=True,
+            timeout=self.args.phase_timeout,
+            check=False,
+        )
+        if res.returncode != 0:
+            raise BenchError(f"graphile {argv[0]} failed: {res.stderr.strip()[-500:]}")
+        result: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
+        return result
+
+    async def setup(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def submit_one(self, n: int) -> float:
+        return float((await asyncio.to_thread(self._node, "submit_one", str(n)))["seconds"])
+
+    async def submit_batch(self, n: int, batch: int) -> float:
+        out = await asyncio.to_thread(self._node, "submit_batch", str(n), str(batch))
+        return float(out["seconds"])
+
+    async def drain(self, n: int, concurrency: int, *, analyze: bool, tuned: bool) -> float:
+        out = await asyncio.to_thread(
+            self._node,
+            "drain",
+            str(n),
+            str(concurrency),
+            "tuned" if tuned else "plain",
+            "analyze" if analyze else "cold",
+        )
+        return float(out["seconds"])
+
+    async def pickup(self, samples: int, spacing_s: float, concurrency: int) -> list[float]:
+        out = await asyncio.to_thread(
+            self._node, "pickup", str(samples), str(int(spacing_s * 1000)), str(concurrency)
+        )
+        return [float(x) for x in out["latency_s"]]
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+SCENARIOS = (
+    ("submit_one", "submit N, one at a time (runs/s)"),
+    ("submit_batch", "batch submit N, statements of BATCH (runs/s)"),
+    ("drain_cold", "drain N at concurrency C, cold (runs/s)"),
+    ("drain_analyzed", "drain N at concurrency C, after ANALYZE (runs/s)"),
+    ("drain_tuned", "drain N, each system's high-throughput mode (runs/s)"),
+    ("pickup", "pickup latency p50 / p99 (ms)"),
+    ("steps", "one run, S step calls (steps/s)"),
+)
+
+
+GROUPS = ("submit", "drain", "pickup", "steps")
+
+
+async def run_group(system: Any, group: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One group of scenarios of one system, on a database of its own."""
+    out: dict[str, Any] = {}
+    n, c = args.runs, args.concurrency
+
+    async def phase(name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        t0 = time.perf_counter()
+        try:
+            out[name] = await fn()
+        except BenchError as exc:
+            out[name] = {"error": str(exc)}
+        print(f"  {system.name:<13} {name:<15} {time.perf_counter() - t0:6.1f} s", file=sys.stderr)
+
+    await system.setup()
+    try:
+        if group == "submit":
+            await phase("submit_one", lambda: _rate(system.submit_one(n), n))
+            if hasattr(system, "submit_batch"):
+                await phase("submit_batch", lambda: _rate(system.submit_batch(n, args.batch), n))
+        elif group == "drain" and hasattr(system, "drain"):
+            await phase(
+                "drain_cold", lambda: _rate(system.drain(n, c, analyze=False, tuned=False), n)
+            )
+            await phase(
+                "drain_analyzed", lambda: _rate(system.drain(n, c, analyze=True, tuned=False), n)
+            )
+            if system.name == "graphile":
+                await phase(
+                    "drain_tuned",
+                    lambda: _rate(
+                        system.drain(args.tuned_runs, c, analyze=True, tuned=True), args.tuned_runs
+                    ),
+                )
+        elif group == "pickup" and hasattr(system, "pickup"):
+
+            async def pickup() -> dict[str, float]:
+                return latency_summary(
+                    await system.pickup(args.latency_samples, args.spacing_ms / 1000, c)
+                )
+
+            await phase("pickup", pickup)
+        elif group == "steps" and hasattr(system, "steps"):
+            await phase("steps", lambda: _rate(system.steps(c), args.steps))
+    finally:
+        await system.close()
+    return out
+
+
+async def _rate(seconds: Awaitable[float], n: int) -> dict[str, float]:
+    return rate(n, await seconds)
+
+
+async def run_bench(admin_url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Scenario groups in turn, every system in each (so a load spike on the shared host
+    hits every system of a scenario alike), each on a fresh database."""
+    results: dict[str, Any] = {}
+    classes = {
+        "ours": Ours,
+        "plain": Plain,
+        "procrastinate": Procrastinate,
+        "absurd": Absurd,
+        "graphile": Graphile,
+    }
+    names = []
+    for name in args.systems:
+        reason = None
+        if name == "graphile":
+            reason = graphile_ready()
+        if name == "absurd":
+            try:
+                import absurd_sdk  # noqa: F401
+            except ImportError:
+                reason = "absurd-sdk not installed (pip install -e '.[bench]')"
+        if reason is not None:
+            results[name] = {"skipped": reason}
+            print(f"  {name}: {reason}", file=sys.stderr)
+        else:
+            results[name] = {}
+            names.append(name)
+    for group in GROUPS:
+        for name in names:
+            db = f"bench_{name}_{group}"
+            url = await create_database(admin_url, db)
+            try:
+                results[name] |= await run_group(classes[name](url, args), group, args)
+            finally:
+                await drop_database(admin_url, db)
+    return results
+
+
+def figure(cell: Any, scenario: str) -> str:
+    if not isinstance(cell, dict):
+        return "-"
+    if "error" in cell:
+        return "error"
+    if scenario == "pickup":
+        return f"{cell['p50_ms']:.1f} / {cell['p99_ms']:.1f}"
+    return f"{cell['per_s']:,.0f}"
+
+
+def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """ours / baseline per scenario (for pickup: baseline p50 / ours p50, above 1 = sooner)."""
+    ours = results.get("ours", {})
+    out: dict[str, dict[str, float]] = {}
+    for scenario, _ in SCENARIOS:
+        mine = ours.get(scenario)
+        if not isinstance(mine, dict) or "error" in mine:
+            continue
+        for name in SYSTEMS[1:]:
+            theirs = results.get(name, {}).get(scenario)
+            if not isinstance(theirs, dict) or "error" in theirs:
+                continue
+            if scenario == "pickup":
+                value = theirs["p50_ms"] / mine["p50_ms"] if mine["p50_ms"] else float("nan")
+            else:
+                value = mine["per_s"] / theirs["per_s"]
+            out.setdefault(scenario, {})[name] = round(value, 2)
+    return out
+
+
+def print_table(
+    results: dict[str, Any], ratio: dict[str, dict[str, float]], args: argparse.Namespace
+) -> None:
+    names = [n for n in SYSTEMS if n in results]
+    header = ["workload", *names, "ours / baseline"]
+    print()
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for scenario, template in SCENARIOS:
+        tuned = f"drain {args.tuned_runs:,}" if scenario == "drain_tuned" else "drain N"
+        label = (
+            template.replace("drain N", tuned)
+            .replace("BATCH", f"{args.batch:,}")
+            .replace(" N", f" {args.runs:,}")
+            .replace(" C", f" {args.concurrency}")
+            .replace(" S ", f" {args.steps:,} ")
+        )
+        cells = [figure(results.get(n, {}).get(scenario), scenario) for n in names]
+        if all(c == "-" for c in cells):
+            continue
+        shown = ", ".join(f"{v}x {k}" for k, v in ratio.get(scenario, {}).items())
+        print("| " + " | ".join([label, *cells, shown or "-"]) + " |")
+    for name in names:
+        if "skipped" in results[name]:
+            print(f"\n{name}: {results[name]['skipped']}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.baselines", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--runs", type=int, default=5000)
+    p.add_argument("--batch", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=10)
+    p.add_argument("--tuned-runs", type=int, default=20000)
+    p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--spacing-ms", type=float, default=20.0)
+    p.add_argument("--steps", type=int, default=5000)
+    p.add_argument(
+        "--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS)
+    )
+    p.add_argument("--phase-timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
+        admin_url = server.url("postgres")
+        report["server"] = await server_info(admin_url, SERVER_SETTINGS)
+        report["results"] = await run_bench(admin_url, args)
+        report["ratios"] = ratios(report["results"])
+        print_table(report["results"], report["ratios"], args)
+
+    return run_on_throwaway_server(args, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Run authority: the descriptor admission records, and the attempt tokens minted from it.
+
+Admission stores the run's **authority descriptor** (``wq_runs.authority``): the immutable
+facts of the run (org, play, run, release) and the capabilities it was granted. No bearer
+token rests in the database. Each attempt mints, from the descriptor, two signed, expiring
+tokens at once:
+
+- the **executor token**: the run's granted capabilities, for the play's runtime actions;
+- the **run-ledger token**: one capability only, ``run.ledger.project``, for keyed outbox
+  deliveries to the run's ledger (see :func:`queues.operations.capability_for_request`).
+
+Both bind org, play, run, release, the attempt and the worker holding its lease, so a
+receiver can check the request's run scope and the fence (a token of an attempt that a
+rescue or a newer attempt superseded is refused by the fence, however unexpired).
+
+Tokens are JWTs signed with HS256 (PyJWT): a standard format any receiver can verify with
+the shared secret. The secret comes from the environment (``WORKER_TOKEN_SECRET``); the
+embedded database's default derives one from its own secret (kept with mode 0600).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import jwt
+
+from queues.errors import InvalidField, TokenInvalid
+from queues.fence import Fence
+
+ISSUER = "wq"
+ALGORITHM = "HS256"
+LEDGER_PROJECT = "run.ledger.project"
+# What an admitted run may do through the runtime (its executor token's capabilities).
+EXECUTOR_CAPABILITIES: tuple[str, ...] = (
+    "sheet.write",
+    "receipt.write",
+    "event.emit",
+    "run.read",
+    "limit.acquire",  # permits of shared rate limits (queues.limits)
+    "run.spawn",  # child runs (queues.children)
+)
+KNOWN_CAPABILITIES = frozenset({*EXECUTOR_CAPABILITIES, LEDGER_PROJECT})
+DEFAULT_TTL_S = 15 * 60.0
+MIN_SECRET_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """The immutable facts of a run that its tokens are minted from."""
+
+    org: str
+    play: str
+    run_id: uuid.UUID
+    release: str
+    capabilities: tuple[str, ...] = EXECUTOR_CAPABILITIES
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "org": self.org,
+            "play": self.play,
+            "run": str(self.run_id),
+            "release": self.release,
+            "capabilities": list(self.capabilities),
+        }
+
+    @classmethod
+    def from_json(cls, run_id: uuid.UUID, data: Mapping[str, Any]) -> Descriptor:
+        """The descriptor stored with a run (older runs stored no capabilities: the
+        executor default)."""
+        caps = data.get("capabilities")
+        return cls(
+            org=str(data["org"]),
+            play=str(data["play"]),
+            run_id=run_id,
+            release=str(data["release"]),
+            capabilities=tuple(caps) if isinstance(caps, list) else EXECUTOR_CAPABILITIES,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    """What a verified token says: who may act, on which run, at which attempt."""
+
+    org: str
+    play: str
+    run_id: uuid.UUID
+    release: str
+    attempt: int
+    owner: str  # the worker holding the attempt's lease
+    capabilities: frozenset[str]
+    expires_at: datetime
+    token_id: str
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(self.run_id, self.attempt, self.owner)
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptTokens:
+    executor: str
+    ledger: str
+
+
+def check_secret(secret: str | bytes) -> bytes:
+    raw = secret.encode() if isinstance(secret, str) else secret
+    if len(raw) < MIN_SECRET_BYTES:
+        raise InvalidField(
+            f"the token signing secret is {len(raw)} bytes long",
+            field="WORKER_TOKEN_SECRET",
+            rule=f"at least {MIN_SECRET_BYTES} bytes of randomness",
+            fix="set it to e.g. the output of `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(48))'`, the same for every worker and gateway",
+        )
+    return raw
+
+
+def mint(
+    descriptor: Descriptor,
+    *,
+    attempt: int,
+    owner: str,
+    capabilities: Iterable[str],
+    secret: str | bytes,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: datetime | None = None,
+) -> str:
+    """One signed, expiring token for an attempt, with ``capabilities`` (a subset of what
+    the run was granted, plus the ledger projection capability every run has)."""
+    caps = sorted(set(capabilities))
+    allowed = {*descriptor.capabilities, LEDGER_PROJECT}
+    unknown = [c for c in caps if c not in allowed]
+    if unknown or not caps:
+        raise InvalidField(
+            f"capabilities {unknown or caps} are not granted to run {descriptor.run_id}",
+            field="capability",
+            rule=f"one or more of {', '.join(sorted(allowed))}",
+            fix="mint with a capability the run's authority grants",
+        )
+    if not (0 < ttl_s <= 24 * 3600):
+        raise InvalidField(
+            f"token ttl {ttl_s}s", field="ttl", rule="0 < ttl <= 24h", fix="pass e.g. 60s"
+        )
+    issued = now or datetime.now(UTC)
+    claims = {
+        "iss": ISSUER,
+        "sub": str(descriptor.run_id),
+        "org": descriptor.org,
+        "play": descriptor.play,
+        "run": str(descriptor.run_id),
+        "release": descriptor.release,
+        "attempt": attempt,
+        "owner": owner,
+        "caps": caps,
+        "iat": int(issued.timestamp()),
+        "exp": int((issued + timedelta(seconds=ttl_s)).timestamp()),
+        "jti": uuid.uuid4().hex,
+    }
+    return jwt.encode(claims, check_secret(secret), algorithm=ALGORITHM)
+
+
+def mint_attempt(
+    descriptor: Descriptor,
+    *,
+    attempt: int,
+    owner: str,
+    secret: str | bytes,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: datetime | None = None,
+) -> AttemptTokens:
+    """The two tokens of an attempt: the executor's (the run's capabilities) and the narrow
+    run-ledger one (``run.ledger.project`` only)."""
+    return AttemptTokens(
+        executor=mint(
+            descriptor,
+            attempt=attempt,
+            owner=owner,
+            capabilities=descriptor.capabilities,
+            secret=secret,
+            ttl_s=ttl_s,
+            now=now,
+        ),
+        ledger=mint(
+            descriptor,
+            attempt=attempt,
+            owner=owner,
+            capabilities=[LEDGER_PROJECT],
+            secret=secret,
+            ttl_s=ttl_s,
+            now=now,
+        ),
+    )
+
+
+def verify(token: str | None, *, secret: str | bytes, now: datetime | None = None) -> Claims:
+    """The claims of a token signed with ``secret`` and not expired, or :class:`TokenInvalid`."""
+    if not token:
+        raise TokenInvalid(
+            "no token: the request carries no `Authorization: Bearer` credential",
+            fix="send the attempt's token",
+        )
+    try:
+        data = jwt.decode(
+            token,
+            check_secret(secret),
+            algorithms=[ALGORITHM],
+            issuer=ISSUER,
+            options={"require": ["exp", "iat", "sub", "iss"], "verify_exp": now is None},
+        )
+    except jwt.ExpiredSignatureError as exc:
+        raise TokenInvalid("the token has expired", fix="mint a fresh attempt token") from exc
+    except jwt.PyJWTError as exc:
+        raise TokenInvalid(
+            f"the token is not valid: {exc}", fix="send a token this deployment minted"
+        ) from exc
+    if now is not None and int(now.timestamp()) >= int(data["exp"]):
+        raise TokenInvalid("the token has expired", fix="mint a fresh attempt token")
+    try:
+        return Claims(
+            org=str(data["org"]),
+            play=str(data["play"]),
+            run_id=uuid.UUID(str(data["run"])),
+            release=str(data["release"]),
+            attempt=int(data["attempt"]),
+            owner=str(data["owner"]),
+            capabilities=frozenset(str(c) for c in data["caps"]),
+            expires_at=datetime.fromtimestamp(int(data["exp"]), UTC),
+            token_id=str(data["jti"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TokenInvalid(
+            f"the token lacks a claim: {exc}", fix="send a token this deployment minted"
+        ) from exc
+
+
+def claims_of_attempt(
+    descriptor: Descriptor,
+    *,
+    attempt: int,
+    owner: str,
+    capabilities: Iterable[str] | None = None,
+) -> Claims:
+    """The claims of an in-process attempt: the same authority as its tokens (the
+    executor's by default), without signing one (an in-process play shares the worker's
+    process)."""
+    return Claims(
+        org=descriptor.org,
+        play=descriptor.play,
+        run_id=descriptor.run_id,
+        release=descriptor.release,
+        attempt=attempt,
+        owner=owner,
+        capabilities=frozenset(descriptor.capabilities if capabilities is None else capabilities),
+        expires_at=datetime.max.replace(tzinfo=UTC),
+        token_id="in-process",
+    )

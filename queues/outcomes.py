@@ -1,0 +1,335 @@
+"""Outcome policy: what an attempt's end, or a lapsed lease, does to its run. One place.
+
+The worker turns the end of an attempt into a :class:`Finish` here (a return, an
+exception, a stop), and the recovery pass decides a lapsed lease here too
+(:func:`after_lapse`), so the rules cannot drift apart:
+
+- a failure spends the retry budget (:class:`~queues.lanes.RetryPolicy`: exponential
+  backoff with a cap and jitter, a maximum of attempts), and so does a lapsed lease;
+- an **interruption** (the database went away under the attempt: a lost connection, an
+  administrator shutdown, a failover, a serialization failure or deadlock) is retried
+  promptly and spends nothing, up to the lane's ``max_interruptions``; past that it counts
+  as a failure, so no run loops for ever;
+- a fatal error (the play's ``Fatal``, a refused input, a result that is not JSON) fails
+  the run at once;
+- a hand-back or a suspension (sleep, event wait) spends nothing;
+- **cancel is final**: a lapse with a cancel pending gets a cleanup-only attempt (its
+  cancel hooks run before the final ``cancelled``) while the budget lasts.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg_pool import PoolTimeout
+
+from queues.lanes import RetryPolicy
+
+
+class RunState(StrEnum):
+    QUEUED = "queued"  # admitted, waiting for a worker or for its retry time
+    RUNNING = "running"  # leased by a live attempt
+    SLEEPING = "sleeping"  # suspended durably; re-spawned when due or woken
+    SUCCEEDED = "succeeded"  # terminal: the play returned
+    FAILED = "failed"  # terminal: retries exhausted
+    CANCELLED = "cancelled"  # terminal: cancelled
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({RunState.SUCCEEDED, RunState.FAILED, RunState.CANCELLED})
+
+
+class Outcome(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # the play raised
+    LEASE_EXPIRED = "lease_expired"  # the lease lapsed; counts against retries
+    SUPERSEDED = "superseded"  # a newer attempt owns the run
+    CANCELLED = "cancelled"
+    HANDED_BACK = "handed_back"  # graceful shutdown returned the run
+    SUSPENDED = "suspended"  # sleep or event wait
+    INTERRUPTED = "interrupted"  # the database went away under it; not a failure
+
+
+class FinishStatus(StrEnum):
+    """What ``run_finish_batch`` did with one final write."""
+
+    APPLIED = "applied"  # written now
+    REPLAYED = "replayed"  # written by an earlier copy of this write whose reply was lost
+    CANCEL_PENDING = "cancel_pending"  # refused: run the cleanup hooks, then write cancelled
+    REFUSED = "refused"  # stale: the attempt no longer owns its run; nothing written
+
+    @property
+    def applied(self) -> bool:
+        return self in (FinishStatus.APPLIED, FinishStatus.REPLAYED)
+
+
+# An interruption is retried after about this long (with jitter): the database is usually
+# back within seconds, and waiting longer only delays the run.
+INTERRUPTION_DELAY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The final write of one attempt: the run's next state and what to spawn."""
+
+    run_id: uuid.UUID
+    attempt: int
+    state: RunState
+    outcome: Outcome
+    kind: str  # the ledger event
+    result: Any = None
+    error: dict[str, Any] | None = None
+    spawn: bool = False
+    spawn_at: datetime | None = None
+    wait_event: str | None = None
+
+
+def succeeded(run_id: uuid.UUID, attempt: int, result: Any) -> Finish:
+    return Finish(run_id, attempt, RunState.SUCCEEDED, Outcome.SUCCEEDED, "run_succeeded", result)
+
+
+def failed(
+    run_id: uuid.UUID,
+    attempt: int,
+    error: dict[str, Any],
+    policy: RetryPolicy,
+    *,
+    now: datetime,
+    failure: int,
+    retryable: bool = True,
+) -> Finish:
+    """A failed attempt: retry per policy (exponential backoff, cap, jitter) or fail.
+
+    ``failure`` is this failure's number (1 for the first): sleeps and hand-backs are
+    attempts too, but they do not spend the retry budget.
+    """
+    if retryable and not policy.exhausted(failure):
+        at = now + timedelta(seconds=policy.delay(failure))
+        return Finish(
+            run_id,
+            attempt,
+            RunState.QUEUED,
+            Outcome.FAILED,
+            "retry_scheduled",
+            error=error,
+            spawn=True,
+            spawn_at=at,
+        )
+    return Finish(run_id, attempt, RunState.FAILED, Outcome.FAILED, "run_failed", error=error)
+
+
+def interrupted(
+    run_id: uuid.UUID,
+    attempt: int,
+    error: dict[str, Any],
+    policy: RetryPolicy,
+    *,
+    now: datetime,
+    failure: int,
+    interruption: int,
+    max_interruptions: int,
+    rng: random.Random | None = None,
+) -> Finish:
+    """An attempt the database interrupted (a lost connection, an administrator shutdown,
+    a failover, a serialization failure): retried promptly without spending the retry
+    budget. Past ``max_interruptions`` an interruption counts as a failure, so a run that
+    keeps breaking its connection cannot loop for ever."""
+    if interruption > max_interruptions:
+        return failed(run_id, attempt, error, policy, now=now, failure=failure)
+    delay = INTERRUPTION_DELAY_S * (rng or random).uniform(0.5, 1.5)
+    return Finish(
+        run_id,
+        attempt,
+        RunState.QUEUED,
+        Outcome.INTERRUPTED,
+        "run_interrupted",
+        error=error,
+        spawn=True,
+        spawn_at=now + timedelta(seconds=delay),
+    )
+
+
+def timed_out(run_id: uuid.UUID, attempt: int, deadline: datetime | None) -> Finish:
+    """A run past its timeout (queues.options): stopped and failed, never retried."""
+    when = deadline.isoformat() if deadline is not None else "its deadline"
+    return Finish(
+        run_id,
+        attempt,
+        RunState.FAILED,
+        Outcome.FAILED,
+        "run_failed",
+        error={
+            "type": "RunTimedOut",
+            "code": "RUN_TIMED_OUT",
+            "message": f"the run passed its timeout (deadline {when}) and was stopped",
+        },
+    )
+
+
+def cancelled(run_id: uuid.UUID, attempt: int, reason: str | None) -> Finish:
+    return Finish(
+        run_id,
+        attempt,
+        RunState.CANCELLED,
+        Outcome.CANCELLED,
+        "run_cancelled",
+        error={"type": "Cancelled", "message": reason or "cancelled"},
+    )
+
+
+def handed_back(run_id: uuid.UUID, attempt: int) -> Finish:
+    return Finish(
+        run_id, attempt, RunState.QUEUED, Outcome.HANDED_BACK, "run_handed_back", spawn=True
+    )
+
+
+def suspended(
+    run_id: uuid.UUID, attempt: int, *, wake_at: datetime | None, wait_event: str | None
+) -> Finish:
+    return Finish(
+        run_id,
+        attempt,
+        RunState.SLEEPING,
+        Outcome.SUSPENDED,
+        "run_waiting" if wait_event else "run_sleeping",
+        spawn=wake_at is not None,
+        spawn_at=wake_at,
+        wait_event=wait_event,
+    )
+
+
+# ---- classification ----------------------------------------------------------------------
+
+# What interrupts an attempt without being its fault: psycopg raises OperationalError for a
+# lost connection, an administrator shutdown (AdminShutdown), a failover and the
+# transaction-rollback class (serialization failure, deadlock); the pool raises PoolTimeout
+# while the database is unreachable.
+INTERRUPTIONS: tuple[type[BaseException], ...] = (psycopg.OperationalError, PoolTimeout)
+
+
+def is_interruption(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the exception it was raised from) is the database going away."""
+    for candidate in (exc, exc.__cause__, exc.__context__):
+        if isinstance(candidate, INTERRUPTIONS):
+            return True
+    return False
+
+
+# A stored traceback keeps the innermost frames (where it went wrong) of each exception in
+# its chain, and at most this many bytes of text (the tail: the raising frames and the
+# exception line), so one failure cannot bloat the run, its attempt or a sink's payload.
+TRACEBACK_FRAMES = 30
+TRACEBACK_MAX_BYTES = 16 * 1024
+_TRUNCATED = "... (traceback truncated to its last {n} bytes)\n"
+
+
+def bounded_traceback(
+    exc: BaseException, *, frames: int = TRACEBACK_FRAMES, max_bytes: int = TRACEBACK_MAX_BYTES
+) -> str | None:
+    """The formatted traceback of ``exc`` (its last ``frames`` frames per exception of the
+    chain, capped to ``max_bytes`` of UTF-8 from the end), or None if it was never raised."""
+    if exc.__traceback__ is None:
+        return None
+    text = "".join(traceback.format_exception(exc, limit=-frames))
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= max_bytes:
+        return text
+    marker = _TRUNCATED.format(n=max_bytes)
+    keep = max(0, max_bytes - len(marker.encode()))
+    return marker + data[len(data) - keep :].decode("utf-8", errors="ignore")
+
+
+def error_of(exc: BaseException) -> dict[str, Any]:
+    """The recorded form of an attempt's error: type, message, code and its bounded
+    traceback (:func:`bounded_traceback`)."""
+    error: dict[str, Any] = {
+        "type": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "code": getattr(exc, "code", None),
+    }
+    stack = bounded_traceback(exc)
+    if stack is not None:
+        error["traceback"] = stack
+    return error
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What one attempt has spent so far, and its lane's policy."""
+
+    policy: RetryPolicy
+    failures: int  # failed or lapsed attempts before this one
+    interruptions: int  # interrupted attempts before this one
+    max_interruptions: int
+
+
+def after_exception(
+    run_id: uuid.UUID,
+    attempt: int,
+    exc: BaseException,
+    budget: Budget,
+    *,
+    now: datetime,
+    fatal: bool,
+    rng: random.Random | None = None,
+) -> Finish:
+    """The final write of an attempt whose play raised ``exc``."""
+    error = error_of(exc)
+    if is_interruption(exc):
+        return interrupted(
+            run_id,
+            attempt,
+            error,
+            budget.policy,
+            now=now,
+            failure=budget.failures + 1,
+            interruption=budget.interruptions + 1,
+            max_interruptions=budget.max_interruptions,
+            rng=rng,
+        )
+    return failed(
+        run_id,
+        attempt,
+        error,
+        budget.policy,
+        now=now,
+        failure=budget.failures + 1,
+        retryable=not fatal,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Lapse:
+    """What a lapsed lease does to its run: its next state and when it may run again."""
+
+    state: RunState  # queued (retry, or a cleanup-only attempt), failed or cancelled
+    delay_s: float
+
+
+def after_lapse(
+    policy: RetryPolicy,
+    *,
+    failures: int,
+    cancel_requested: bool,
+    rng: random.Random | None = None,
+) -> Lapse:
+    """The rule for a lapsed lease (``failures`` counts this lapse): a failed attempt."""
+    exhausted = policy.exhausted(failures)
+    if cancel_requested:
+        # Cleanup first: a cleanup-only attempt runs the cancel hooks, then writes
+        # `cancelled`; with the budget spent, cancel without them.
+        return Lapse(RunState.CANCELLED if exhausted else RunState.QUEUED, 0.0)
+    if exhausted:
+        return Lapse(RunState.FAILED, 0.0)
+    return Lapse(RunState.QUEUED, policy.delay(failures, rng=rng))

@@ -1,0 +1,113 @@
+"""OpenTelemetry spans for submit, attempt and step; one trace from admission to the end.
+
+OpenTelemetry is optional (``pip install 'worker[otel]'``). Without it every function here
+is a no-op that imports nothing, so nothing changes. With it, this module uses only the
+OpenTelemetry *API*, as a library should: the spans go wherever the application configured
+a tracer provider (its own SDK setup; for the CLI, ``opentelemetry-instrument worker start
+...`` from ``opentelemetry-distro`` configures one from the ``OTEL_*`` variables), and
+nowhere when none is configured.
+
+- ``wq.submit`` wraps the atomic admission. Its W3C trace context (``traceparent``, and
+  ``tracestate`` when set) is stored with the run, in its authority metadata under
+  ``"trace"`` (:func:`stored_context`), so a run submitted inside a request's trace joins it.
+- ``wq.attempt`` continues that stored context: every attempt of the run, on any worker,
+  at any later time, is a child of the submit span (:func:`attempt_parent`).
+- ``wq.step`` is a child of the attempt that runs the step.
+
+Each span carries ``wq.run_id``, ``wq.attempt``, ``wq.play`` and ``wq.lane`` where known.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+try:  # the optional extra
+    from opentelemetry import propagate as _propagate
+    from opentelemetry import trace as _trace
+except ImportError:  # pragma: no cover - exercised by the tests' import-blocking check
+    _trace = None  # type: ignore[assignment]
+    _propagate = None  # type: ignore[assignment]
+
+TRACER_NAME = "worker"
+CONTEXT_KEY = "trace"  # where the submitter's context sits in the run's authority metadata
+_CARRIER_FIELDS = ("traceparent", "tracestate")
+
+
+def enabled() -> bool:
+    """Whether the OpenTelemetry API is installed."""
+    return _trace is not None
+
+
+def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Span attributes must be str, bool, int or float: everything else as text, None out."""
+    out: dict[str, Any] = {}
+    for key, value in (attributes or {}).items():
+        if value is None:
+            continue
+        out[key] = value if isinstance(value, str | bool | int | float) else str(value)
+    return out
+
+
+@contextlib.contextmanager
+def span(
+    name: str,
+    *,
+    attributes: Mapping[str, Any] | None = None,
+    parent: Mapping[str, str] | None = None,
+) -> Iterator[Any]:
+    """A span around the block (the current span's child, or ``parent``'s when a stored W3C
+    carrier is given); yields it, or None without OpenTelemetry. An exception that leaves
+    the block is recorded on the span and sets its status to error."""
+    if _trace is None or _propagate is None:
+        yield None
+        return
+    context = _propagate.extract(dict(parent)) if parent else None
+    tracer = _trace.get_tracer(TRACER_NAME)
+    with tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as s:
+        yield s
+
+
+def annotate(current: Any, **attributes: Any) -> None:
+    """Add attributes (``wq.`` prefixed) to a span from :func:`span`; None is a no-op."""
+    if current is None:
+        return
+    for key, value in _clean({f"wq.{k}": v for k, v in attributes.items()}).items():
+        current.set_attribute(key, value)
+
+
+def failed(current: Any, description: str) -> None:
+    """Mark a span from :func:`span` as failed (an outcome, not an exception that left it)."""
+    if current is None or _trace is None:
+        return
+    current.set_status(_trace.Status(_trace.StatusCode.ERROR, description[:500]))
+
+
+def carrier() -> dict[str, str]:
+    """The current trace context as W3C headers (empty when no span is active)."""
+    if _propagate is None:
+        return {}
+    found: dict[str, str] = {}
+    _propagate.inject(found)
+    return {k: v for k, v in found.items() if k in _CARRIER_FIELDS}
+
+
+def stored_context() -> dict[str, Any]:
+    """What admission stores with a run: ``{"trace": {"traceparent": ...}}``, or ``{}``."""
+    found = carrier()
+    return {CONTEXT_KEY: found} if found.get("traceparent") else {}
+
+
+def attempt_parent(authority: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The stored submitter's context of a run (from its authority metadata), or None."""
+    stored = (authority or {}).get(CONTEXT_KEY)
+    if not isinstance(stored, Mapping) or not isinstance(stored.get("traceparent"), str):
+        return None
+    return {k: str(v) for k, v in stored.items() if k in _CARRIER_FIELDS}
+
+
+def run_attributes(
+    *, run_id: Any, attempt: int | None, play: str | None, lane: str | None
+) -> dict[str, Any]:
+    return _clean({"wq.run_id": run_id, "wq.attempt": attempt, "wq.play": play, "wq.lane": lane})

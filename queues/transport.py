@@ -1,0 +1,92 @@
+"""The transport seam: every use of procrastinate, the job transport, in one place.
+
+A run's job is a procrastinate job on the run's lane (a procrastinate queue) with task
+:data:`TASK_NAME`. Admission and every statement that re-spawns a run insert it,
+procrastinate's insert trigger NOTIFYs the lane's channel (:func:`lane_channel`), the
+claim statement takes jobs in batches and starts their runs' attempts, and the statement
+that writes a run's outcome finishes its job. procrastinate's own worker serves one
+periodic task, the recovery tick (:data:`RECOVERY_TASK` on :data:`MAINTENANCE_QUEUE`).
+
+Only this module and the ``wq_transport_*`` SQL functions
+(``sql/migrations/0013_create_transport_seam.sql``) know procrastinate's tables, job
+statuses, task and channel names: statements in ``sql/queries`` call the functions, code
+calls this module (``queues.migrations`` alone installs procrastinate's schema).
+``tests/db/test_transport_seam.py`` fails when anything else names them.
+
+=================================  ==================================================
+SQL function                       does
+=================================  ==================================================
+``wq_transport_jobs()``            our runs' jobs: id, lane, status (text, for
+                                   reports), scheduled_at, waiting, live; inlined
+``wq_transport_job_waiting(id)``  whether one job waits to be claimed (todo): a
+                                   probe of its key per call, never a join
+                                   (migrations 0021, 0022)
+``wq_transport_next_id()``         a job id, taken before the job is spawned
+``wq_transport_spawn(...)``        spawn jobs (the only insert of a job)
+``wq_transport_take(...)``         take due jobs of lanes for a worker (the claim)
+``wq_transport_settle(...)``       finish delivered jobs, succeeded or failed
+``wq_transport_release(...)``      send delivered jobs back to their lanes
+``wq_transport_stop(...)``         a cancel: cancel waiting, abort delivered jobs
+``wq_transport_withdraw(...)``     cancel waiting jobs no claimer holds (adopt)
+``wq_transport_prune(...)``        delete finished jobs past their lane's retention
+``wq_transport_register_worker``,  procrastinate's worker row of a worker
+``wq_transport_beat(...)``
+``wq_transport_notify_cancel``     NOTIFY :data:`CONTROL_CHANNEL`: cancel a run
+=================================  ==================================================
+
+The writers take arrays: a batch statement calls each once, never per row. The migration
+says why the claim may take a job whose run it cannot see yet, and what becomes of it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from queues.queries import q
+
+TASK_NAME = "wq.run"  # the task of a run's job (its args: {"run_id": ...})
+CONTROL_CHANNEL = "wq_control"  # our NOTIFY channel: {"cancel": run_id}
+MAINTENANCE_QUEUE = "wq-maintenance"  # procrastinate's own worker serves this queue
+RECOVERY_TASK = "wq.recovery"  # the periodic recovery pass, one job per tick
+RECOVERY_PERIODIC_ID = "wq-recovery"
+
+# procrastinate NOTIFYs a queue's jobs on this channel plus the queue name; a channel name
+# is at most 63 bytes (NAMEDATALEN - 1), which bounds a lane name.
+_LANE_CHANNEL_PREFIX = "procrastinate_queue_v1#"
+CHANNEL_MAX_BYTES = 63
+LANE_MAX = CHANNEL_MAX_BYTES - len(_LANE_CHANNEL_PREFIX)
+
+
+def lane_channel(lane: str) -> str:
+    """The channel procrastinate NOTIFYs when a job is spawned on ``lane``."""
+    return _LANE_CHANNEL_PREFIX + lane
+
+
+async def listen(conn: psycopg.AsyncConnection[Any], lanes: Sequence[str]) -> None:
+    """LISTEN for jobs spawned on ``lanes`` and for control messages (autocommit ``conn``)."""
+    for lane in lanes:
+        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(lane_channel(lane))))
+    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CONTROL_CHANNEL)))
+
+
+def cancel_request(payload: str) -> uuid.UUID | None:
+    """The run a control message asks to cancel (``wq_transport_notify_cancel``), if any."""
+    try:
+        message = json.loads(payload)
+        return uuid.UUID(str(message.get("cancel")))
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+async def register_worker(conn: psycopg.AsyncConnection[Any]) -> int:
+    """Register a worker with procrastinate; the jobs it takes carry the id returned."""
+    cur = await conn.execute(q("transport_register_worker"))
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])

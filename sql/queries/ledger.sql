@@ -1,0 +1,265 @@
+-- The run ledger (wq_events) and its projection: sinks, the leased outbox, progress.
+--
+-- Appending: every statement that changes a run appends its event itself (see runs.sql,
+-- sheets.sql, receipts.sql, recovery.sql, wq_submit); ledger_append is the generic form.
+-- The triggers of sql/migrations/0010 give each event its seq and one outbox row per
+-- enabled sink, in the appending transaction.
+--
+-- Delivering: a projector leases a batch of due outbox rows (FOR UPDATE SKIP LOCKED, so
+-- projectors never take the same row), delivers them outside any transaction, and marks
+-- each one delivered or failed only while the lease is still its own: the owner check is
+-- in the writing statement (the same fence as every attempt write). A lease that lapsed
+-- mid-delivery lets another projector deliver the row again, with the same
+-- Idempotency-Key; the receiver dedupes.
+--
+-- Lock order: wq_outbox rows (by sink, then due time and id), then wq_progress rows in
+-- run id order. Nothing here locks a run.
+
+-- name: ledger_append :one
+-- Append an event to a run's ledger; a repeated idempotency key stores nothing.
+-- The run's row FOR SHARE comes first (the ledger's lock order: the run, then its seq
+-- lock). An empty answer with the run found means the key exists: re-read it in a new
+-- statement (ledger_event_by_key), whose snapshot sees a concurrent winner's commit.
+WITH run AS (
+    SELECT id
+      FROM wq_runs
+     WHERE id = %(run_id)s
+       FOR SHARE
+), appended AS (
+    INSERT INTO wq_events (run_id, attempt, kind, data, idempotency_key)
+    SELECT run.id, %(attempt)s::int, %(kind)s::text, %(data)s::jsonb, %(key)s::text
+      FROM run
+    ON CONFLICT (run_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, run_id, seq, attempt, kind, data, idempotency_key, at
+)
+SELECT EXISTS (SELECT 1 FROM run) AS found, a.id, a.run_id, a.seq, a.attempt, a.kind,
+       a.data, a.idempotency_key, a.at
+  FROM (VALUES (1)) AS one (x)
+  LEFT JOIN appended a ON true;
+
+-- name: ledger_event_by_key :one
+-- The event a run's idempotency key stored.
+SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
+  FROM wq_events
+ WHERE run_id = %(run_id)s AND idempotency_key = %(key)s;
+
+-- name: outbox_lease :many
+-- Lease up to N due deliveries of enabled sinks (of one kind, when given) for one owner
+-- until now + lease_s; each lease counts as an attempt. Per sink, an ordered walk of
+-- wq_outbox_due_idx that stops after N rows (a disabled sink's backlog is never scanned);
+-- then the N most due, taken in turns across sinks, so one sink's backlog never crowds out
+-- another's. SKIP LOCKED keeps projectors off each other's rows; a row leased by another
+-- projector is not due (next_attempt_at = its lease expiry) until that lease lapses.
+WITH picked AS (
+    SELECT o.id,
+           row_number() OVER (PARTITION BY s.name ORDER BY o.next_attempt_at, o.id) AS turn,
+           o.next_attempt_at
+      FROM wq_sinks s
+     CROSS JOIN LATERAL (
+            SELECT o.id, o.next_attempt_at
+              FROM wq_outbox o
+             WHERE o.sink = s.name
+               AND o.status = 'pending'
+               AND o.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+             ORDER BY o.next_attempt_at, o.id
+             LIMIT %(limit)s
+               FOR UPDATE OF o SKIP LOCKED
+           ) o
+     WHERE s.enabled
+       AND (%(kind)s::wq_sink_kind IS NULL OR s.kind = %(kind)s::wq_sink_kind)
+     ORDER BY turn, o.next_attempt_at, o.id
+     LIMIT %(limit)s
+), leased AS (
+    UPDATE wq_outbox o
+       SET lease_owner = %(owner)s,
+           lease_expires_at = coalesce(%(now)s::timestamptz, now())
+                              + make_interval(secs => %(lease_s)s::float8),
+           next_attempt_at = coalesce(%(now)s::timestamptz, now())
+                             + make_interval(secs => %(lease_s)s::float8),
+           attempts = o.attempts + 1
+      FROM picked
+     WHERE o.id = picked.id
+    RETURNING o.id, o.event_id, o.sink, o.attempts, o.lease_expires_at
+)
+SELECT l.id, l.sink, s.kind::text AS sink_kind, s.url, l.attempts, l.lease_expires_at,
+       coalesce(%(now)s::timestamptz, now()) AS leased_at,
+       e.id AS event_id, e.run_id, e.seq, e.attempt, e.kind, e.data, e.idempotency_key, e.at
+  FROM leased l
+  JOIN wq_sinks s ON s.name = l.sink
+  JOIN wq_events e ON e.id = l.event_id
+ ORDER BY e.run_id, e.seq, l.sink;
+
+-- name: outbox_delivered :many
+-- Mark leased deliveries delivered, only those still leased by this owner (fenced); the
+-- ids it marked. A row another projector leased since (this lease lapsed) is left alone.
+UPDATE wq_outbox
+   SET status = 'delivered',
+       delivered_at = coalesce(%(now)s::timestamptz, now()),
+       lease_owner = NULL,
+       lease_expires_at = NULL,
+       last_error = NULL
+ WHERE id = ANY (%(ids)s::bigint[])
+   AND status = 'pending'
+   AND lease_owner = %(owner)s
+RETURNING id;
+
+-- name: outbox_failed :one
+-- Record a failed delivery and when to try again, only while this owner holds the lease
+-- (fenced); the id when it was recorded.
+UPDATE wq_outbox
+   SET lease_owner = NULL,
+       lease_expires_at = NULL,
+       next_attempt_at = %(retry_at)s,
+       last_error = %(error)s
+ WHERE id = %(id)s
+   AND status = 'pending'
+   AND lease_owner = %(owner)s
+RETURNING id;
+
+-- name: progress_deliver :many
+-- Deliver progress-sink rows in one statement: mark them delivered and fold their events
+-- into each run's wq_progress row. Either the rows of %(ids)s that %(owner)s leased
+-- (fenced by the owner, as outbox_delivered), or, with %(ids)s NULL, up to %(limit)s due
+-- rows of enabled progress sinks picked here, with no lease: the projector's progress
+-- loop. A lease is for a delivery that leaves the database (an HTTP request outlives its
+-- transaction); this one is a write in the same transaction, and the picked rows stay
+-- locked (FOR UPDATE SKIP LOCKED: no other projector takes them) until it commits, so
+-- each row is delivered once, in one write of it instead of two; the pick counts as an
+-- attempt, as a lease does. Every column only moves forward (the state only from a
+-- later state event), so any delivery order, or a replay, converges. The counters come
+-- from the run totals the sheet events carry. Bounded by one batch.
+WITH picked AS (
+    SELECT o.id
+      FROM wq_sinks s
+     CROSS JOIN LATERAL (
+            SELECT o.id, o.next_attempt_at
+              FROM wq_outbox o
+             WHERE o.sink = s.name
+               AND o.status = 'pending'
+               AND o.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
+             ORDER BY o.next_attempt_at, o.id
+             LIMIT %(limit)s
+               FOR UPDATE OF o SKIP LOCKED
+           ) o
+     WHERE %(ids)s::bigint[] IS NULL
+       AND s.enabled
+       AND s.kind = 'progress'
+     ORDER BY o.next_attempt_at, o.id
+     LIMIT %(limit)s
+), mine AS (
+    UPDATE wq_outbox o
+       SET status = 'delivered',
+           delivered_at = coalesce(%(now)s::timestamptz, now()),
+           lease_owner = NULL,
+           lease_expires_at = NULL,
+           last_error = NULL,
+           attempts = o.attempts + CASE WHEN %(ids)s::bigint[] IS NULL THEN 1 ELSE 0 END
+      FROM wq_sinks s
+     WHERE o.id = ANY (coalesce(%(ids)s::bigint[], ARRAY(SELECT id FROM picked)))
+       AND o.status = 'pending'
+       AND (%(ids)s::bigint[] IS NULL OR o.lease_owner = %(owner)s)
+       AND s.name = o.sink
+       AND s.kind = 'progress'
+    RETURNING o.id, o.event_id
+), folded AS (
+    SELECT e.run_id, e.seq, e.attempt,
+           CASE WHEN e.kind = 'rows_admitted'
+                     AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
+                THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
+           CASE WHEN e.kind = 'rows_completed'
+                     AND jsonb_typeof(e.data -> 'rows_done') = 'number'
+                THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
+           CASE e.kind
+                WHEN 'run_created' THEN 'queued'
+                WHEN 'run_retried' THEN 'queued'
+                WHEN 'attempt_started' THEN 'running'
+                WHEN 'cleanup_started' THEN 'running'
+                WHEN 'retry_scheduled' THEN 'queued'
+                WHEN 'run_interrupted' THEN 'queued'
+                WHEN 'run_handed_back' THEN 'queued'
+                WHEN 'run_sleeping' THEN 'sleeping'
+                WHEN 'run_waiting' THEN 'sleeping'
+                WHEN 'run_succeeded' THEN 'succeeded'
+                WHEN 'run_failed' THEN 'failed'
+                WHEN 'run_cancelled' THEN 'cancelled'
+                WHEN 'lease_expired' THEN
+                    CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
+                         THEN e.data ->> 'next_state' END
+           END::wq_run_state AS state
+      FROM mine
+      JOIN wq_events e ON e.id = mine.event_id
+), per_run AS (
+    SELECT run_id,
+           max(seq) AS last_event_seq,
+           max(attempt) AS attempt,
+           max(rows_admitted) AS rows_admitted,
+           max(rows_done) AS rows_done,
+           (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1] AS state,
+           max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
+      FROM folded
+     GROUP BY run_id
+), projected AS (
+    INSERT INTO wq_progress AS p
+        (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
+         updated_at)
+    SELECT run_id, state, coalesce(state_seq, 0), attempt, coalesce(rows_admitted, 0),
+           coalesce(rows_done, 0), last_event_seq, clock_timestamp()
+      FROM per_run
+     ORDER BY run_id  -- progress rows are locked in run id order: batches never deadlock
+    ON CONFLICT (run_id) DO UPDATE SET
+        state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
+                     ELSE p.state END,
+        state_seq = greatest(p.state_seq, excluded.state_seq),
+        attempt = greatest(p.attempt, excluded.attempt),
+        rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
+        rows_done = greatest(p.rows_done, excluded.rows_done),
+        last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
+        updated_at = excluded.updated_at
+)
+SELECT id FROM mine;
+
+-- name: progress_get :one
+-- A run's progress projection, with the run's last seq (how far behind it is).
+SELECT p.run_id, p.state::text AS state, p.attempt, p.rows_admitted, p.rows_done,
+       p.last_event_seq, p.updated_at,
+       (SELECT coalesce(max(e.seq), 0) FROM wq_events e WHERE e.run_id = p.run_id)
+           AS ledger_seq
+  FROM wq_progress p
+ WHERE p.run_id = %(run_id)s;
+
+-- name: sink_add :one
+-- Add an HTTP sink, or point an existing HTTP sink at a new URL and enable it. The
+-- built-in progress sink is never changed (no row comes back for it).
+INSERT INTO wq_sinks AS s (name, kind, url, enabled)
+VALUES (%(name)s, 'http', %(url)s, true)
+ON CONFLICT (name) DO UPDATE
+   SET url = excluded.url, enabled = true, updated_at = now()
+ WHERE s.kind = 'http'
+RETURNING s.name, s.kind::text AS kind, s.url, s.enabled, (s.xmax = 0) AS created;
+
+-- name: sink_disable :one
+-- Stop delivering to an HTTP sink: new events get no outbox row for it and its pending
+-- deliveries wait (they resume when it is added again). The progress sink stays enabled.
+UPDATE wq_sinks
+   SET enabled = false, updated_at = now()
+ WHERE name = %(name)s AND kind = 'http'
+RETURNING name, kind::text AS kind, url, enabled, false AS created;
+
+-- name: sink_list :many
+-- Every sink with its pending deliveries (of which failing: tried and not delivered yet),
+-- the oldest pending one's age and the latest error. Reads only pending rows (the partial
+-- index): delivered rows stay until retention and are not counted.
+SELECT s.name, s.kind::text AS kind, s.url, s.enabled,
+       count(o.id) AS pending,
+       count(o.id) FILTER (WHERE o.last_error IS NOT NULL) AS failing,
+       coalesce(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest_pending_s,
+       (array_agg(o.last_error ORDER BY o.next_attempt_at DESC)
+            FILTER (WHERE o.last_error IS NOT NULL))[1] AS last_error
+  FROM wq_sinks s
+  LEFT JOIN wq_outbox o ON o.sink = s.name AND o.status = 'pending'
+ GROUP BY s.name, s.kind, s.url, s.enabled
+ ORDER BY s.name;
+
+-- name: sink_names :many
+-- The names of every sink (for a did-you-mean).
+SELECT name FROM wq_sinks ORDER BY name;

@@ -1,0 +1,26 @@
+"""A sandboxed play using issue 14's run context through the runtime gateway: a permit of
+a shared limit, a child run it spawns and waits for (``worker start --app
+tests.apps.scheduling_sandboxed:registry``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.context import RunContext
+from worker.plays import Registry
+
+registry = Registry()
+
+
+@registry.play("sandboxed-parent", sandboxed=True)
+async def sandboxed_parent(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    async with ctx.limit("sbx") as permit:
+        granted = permit.at.isoformat()
+    child = await ctx.spawn("plain-child", {"value": 3}, max_attempts=2, meta=ctx.meta)
+    result = await ctx.wait_for_run(child)
+    return {"granted": granted, "child": str(child), "result": result}
+
+
+@registry.play("plain-child")
+async def plain_child(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    return {"tripled": int(params["value"]) * 3, "meta": ctx.meta}

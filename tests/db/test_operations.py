@@ -1,0 +1,199 @@
+"""The runtime operation contract through its one dispatch (the in-process path), on a real
+Postgres; the same dispatch behind HTTP is tested in tests/integration/test_gateway.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from queues import authority, operations, sheets
+from queues.authority import LEDGER_PROJECT
+from queues.errors import (
+    CapabilityScope,
+    InvalidField,
+    OperationRefused,
+    RunScope,
+    SheetSuperseded,
+)
+from queues.sheets import CompletionResult, StaleReason
+from tests import attempts
+
+Conn = psycopg.AsyncConnection[Any]
+
+
+async def claims_of(conn: Conn, **kw: Any) -> authority.Claims:
+    a = await attempts.start(conn, **kw)
+    return authority.claims_of_attempt(
+        a.claimed.descriptor, attempt=a.fence.attempt, owner=a.fence.owner
+    )
+
+
+def start(rows: list[str], **extra: Any) -> dict[str, Any]:
+    return {
+        "action": "runtime_sheet_start_with_intent",
+        "input": {"tableNamespace": "s", "rows": [{"key": k, "input": {"k": k}} for k in rows]}
+        | extra,
+    }
+
+
+def test_every_action_maps_to_one_capability() -> None:
+    expected = {
+        "runtime_sheet_start": "sheet.write",
+        "runtime_sheet_start_with_intent": "sheet.write",
+        "runtime_sheet_complete_map_rows": "sheet.write",
+        "runtime_receipt_claim": "receipt.write",
+        "runtime_event_emit": "event.emit",
+        "runtime_input_page": "run.read",
+        "project_run_events": "run.ledger.project",
+        "project_run_created": "run.ledger.project",
+        "append_run_events": "run.ledger.project",
+        "start_run": "run.ledger.project",
+    }
+    for action, capability in expected.items():
+        assert operations.capability_for(action) == capability
+    assert operations.capability_for("sheet.delete") is None
+    assert {a for a, c in expected.items() if c == LEDGER_PROJECT} == operations.LEDGER_ACTIONS
+
+
+@pytest.mark.parametrize(
+    ("body", "capabilities", "expected"),
+    [
+        ({"action": "runtime_sheet_start"}, {"sheet.write"}, "sheet.write"),
+        ({"action": "runtime_sheet_start"}, {"run.read"}, "sheet.write"),  # held or not: later
+        ({"action": "nothing_known"}, {"sheet.write"}, None),
+        ({"action": 7}, {"sheet.write"}, None),
+        ([], {"sheet.write"}, None),
+        (
+            {"action": "append_run_events", "idempotencyKey": "k", "deliveryLeaseOwner": "w"},
+            {LEDGER_PROJECT},
+            LEDGER_PROJECT,
+        ),
+        ({"action": "append_run_events", "deliveryLeaseOwner": "w"}, {LEDGER_PROJECT}, None),
+        ({"action": "append_run_events", "idempotencyKey": "k"}, {LEDGER_PROJECT}, None),
+        (
+            {"action": "append_run_events", "idempotencyKey": " ", "deliveryLeaseOwner": "w"},
+            {LEDGER_PROJECT},
+            None,
+        ),
+        (
+            {"action": "runtime_sheet_start", "idempotencyKey": "k", "deliveryLeaseOwner": "w"},
+            {LEDGER_PROJECT},
+            None,
+        ),
+        (
+            {"action": "start_run", "idempotencyKey": "k", "deliveryLeaseOwner": "w"},
+            {LEDGER_PROJECT, "sheet.write"},
+            None,
+        ),
+    ],
+)
+def test_the_policy(body: object, capabilities: set[str], expected: str | None) -> None:
+    assert operations.capability_for_request(body, capabilities) == expected
+
+
+async def test_dispatch_admits_and_completes_through_named_actions(conn: Conn) -> None:
+    claims = await claims_of(conn)
+    started = await operations.dispatch(conn, start(["a", "b"]), claims)
+    assert isinstance(started, dict)
+    assert [r["disposition"] for r in started["rows"]] == ["admitted", "admitted"]
+    completed = await operations.dispatch(
+        conn,
+        {
+            "action": "runtime_sheet_complete_map_rows",
+            "input": {
+                "tableNamespace": "s",
+                "writeVersion": started["writeVersion"],
+                "rows": [{"key": "a", "output": {"ok": True}}, {"key": "zzz"}],
+            },
+        },
+        claims,
+    )
+    assert isinstance(completed, dict)
+    parsed = CompletionResult.from_wire(completed)
+    assert parsed.committed == ("a",)
+    assert [(s.key, s.reason) for s in parsed.stale] == [("zzz", StaleReason.OLDER_WRITE_VERSION)]
+    assert await sheets.progress(conn, claims.run_id) == (2, 1)
+
+
+async def test_refusals_in_order_and_nothing_written(conn: Conn) -> None:
+    claims = await claims_of(conn)
+    with pytest.raises(CapabilityScope, match=r"Unsupported runtime action capability scope\."):
+        await operations.dispatch(conn, {"action": "runtime_sheet_strat", "input": {}}, claims)
+    receipts_only = authority.Claims(
+        **{f: getattr(claims, f) for f in claims.__slots__ if f != "capabilities"},
+        capabilities=frozenset({"receipt.write"}),
+    )
+    with pytest.raises(CapabilityScope):
+        await operations.dispatch(conn, start(["a"]), receipts_only)
+    older = operations.SERVED_ACTIONS - {"runtime_sheet_start_with_intent"}
+    with pytest.raises(OperationRefused, match="Unsupported action: runtime_sheet_start_with"):
+        await operations.dispatch(conn, start(["a"]), claims, served=older)
+    with pytest.raises(InvalidField, match="'stableWriteIntent'") as unknown:
+        await operations.dispatch(conn, start(["a"], stableWriteIntent=True), claims)
+    assert unknown.value.field == "runtime_sheet_start_with_intent.input.stableWriteIntent"
+    nested = start(["a"])
+    nested["input"]["rows"][0]["priority"] = 1
+    with pytest.raises(InvalidField, match="'priority'"):
+        await operations.dispatch(conn, nested, claims)
+    with pytest.raises(RunScope):
+        await operations.dispatch(
+            conn, start(["a"], runId="00000000-0000-0000-0000-000000000000"), claims
+        )
+    cur = await conn.execute(
+        "SELECT count(*) FROM wq_sheet_rows WHERE run_id = %s", (claims.run_id,)
+    )
+    assert await cur.fetchone() == (0,)
+
+
+async def test_a_stale_attempts_completion_raises_through_dispatch(conn: Conn) -> None:
+    a = await attempts.start(conn)
+    claims = authority.claims_of_attempt(a.claimed.descriptor, attempt=1, owner="w1")
+    started = await operations.dispatch(conn, start(["a"]), claims)
+    assert isinstance(started, dict)
+    await attempts.supersede(conn, a)
+    with pytest.raises(SheetSuperseded) as raised:
+        await operations.dispatch(
+            conn,
+            {
+                "action": "runtime_sheet_complete_map_rows",
+                "input": {
+                    "tableNamespace": "s",
+                    "writeVersion": started["writeVersion"],
+                    "rows": [{"key": "a", "output": 1}],
+                },
+            },
+            claims,
+        )
+    assert raised.value.counts == {"stale_attempt": 1}
+
+
+def test_an_older_receivers_reasonless_stale_rows_parse_as_unreported() -> None:
+    result = CompletionResult.from_wire(
+        {
+            "committedKeys": ["a"],
+            "staleRows": [{"key": "b"}, "c", {"key": "d", "reason": "brand_new"}],
+        }
+    )
+    assert [(s.key, s.reason) for s in result.stale] == [
+        ("b", StaleReason.UNREPORTED),
+        ("c", StaleReason.UNREPORTED),
+        ("d", StaleReason.UNREPORTED),
+    ]
+    with pytest.raises(SheetSuperseded, match="unreported=3"):
+        sheets.raise_if_superseded(result, sheet="s", run_id="r", submitted=4)
+
+
+def test_the_wire_form_round_trips() -> None:
+    result = CompletionResult(
+        write_version=5,
+        committed=("a",),
+        replayed=(),
+        stale=(sheets.StaleRow("b", StaleReason.NEWER_WRITE_VERSION, 9),),
+    )
+    wire = result.to_wire()
+    assert wire["staleRows"] == [
+        {"key": "b", "reason": "newer_write_version", "rowVersionStamp": 9}
+    ]
+    assert CompletionResult.from_wire(wire) == result

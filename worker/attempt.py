@@ -1,0 +1,219 @@
+"""One attempt: run the play (or only its cleanup) and turn how it ended into a final write.
+
+The runtime owns the when (claiming, the final write's batching, stops); this module owns
+what an attempt's end means, through the one outcome policy in :mod:`queues.outcomes`:
+
+- the play returned: ``succeeded`` (or a non-retryable failure if the result is not JSON);
+- the play raised: an interruption when the database went away under it (retried
+  promptly, not charged), a failure otherwise (``Fatal`` and refused input are final);
+- it suspended (sleep, event wait): ``suspended``;
+- the runtime stopped it: a cancel runs the cleanup hooks and writes ``cancelled``; a
+  lost lease writes nothing (the rescuer or a newer attempt owns the run); a hand-back
+  returns the run to its lane without spending anything;
+- a fence refused one of its writes: nothing more is written (a newer attempt owns it).
+
+A cleanup-only attempt (a run whose lease lapsed with a cancel pending) runs the play's
+cancel hooks and writes ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+
+from queues import fields, outcomes, runs, tracing
+from queues.authority import AttemptTokens
+from queues.errors import FenceError, WorkerError
+from queues.outcomes import Finish
+from worker import instruments
+from worker.context import RunContext, Suspend
+from worker.plays import Fatal, Play
+
+log = structlog.get_logger("worker.attempt")
+
+# A cancel hook that runs longer than this is abandoned (logged) so the final write is made.
+CLEANUP_HOOK_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """How an attempt ended: its final write, if any, and an event to suspend on."""
+
+    finish: Finish | None  # None: stale, nothing to write
+    event: str | None = None  # suspend on this event: written under the event's lock
+
+
+def budget(c: runs.Claimed) -> outcomes.Budget:
+    return outcomes.Budget(
+        policy=c.retry,
+        failures=c.failures or 0,
+        interruptions=c.interruptions or 0,
+        max_interruptions=c.max_interruptions or 0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSpec:
+    """Where a sandboxed attempt runs: its app, the gateway, its attempt's tokens."""
+
+    app: str
+    gateway_url: str
+    tokens: AttemptTokens
+
+
+async def run(
+    c: runs.Claimed,
+    ctx: RunContext,
+    play: Play | None,
+    *,
+    stop_reason: Callable[[], str | None],
+    sandbox_spec: SandboxSpec | None = None,
+) -> Ended:
+    """Execute one attempt of a claimed run and decide its final write, in a ``wq.attempt``
+    span that continues the trace its submitter stored with the run, and measured
+    (:mod:`worker.instruments`)."""
+    instruments.picked_up(c)
+    started = time.perf_counter()
+    attributes = tracing.run_attributes(
+        run_id=c.run_id, attempt=c.attempt, play=c.play, lane=c.lane
+    ) | ({"wq.cleanup": True} if c.cleanup else {})
+    parent = tracing.attempt_parent(c.authority)
+    with tracing.span("wq.attempt", attributes=attributes, parent=parent) as span:
+        ended = await _run(c, ctx, play, stop_reason=stop_reason, sandbox_spec=sandbox_spec)
+        outcome = str(ended.finish.outcome) if ended.finish else str(outcomes.Outcome.SUPERSEDED)
+        tracing.annotate(span, outcome=outcome)
+        error = ended.finish.error if ended.finish else None
+        if error and outcome in (outcomes.Outcome.FAILED, outcomes.Outcome.INTERRUPTED):
+            tracing.failed(span, f"{error.get('type')}: {error.get('message')}")
+    instruments.attempt_finished(c, outcome, time.perf_counter() - started)
+    return ended
+
+
+async def _run(
+    c: runs.Claimed,
+    ctx: RunContext,
+    play: Play | None,
+    *,
+    stop_reason: Callable[[], str | None],
+    sandbox_spec: SandboxSpec | None = None,
+) -> Ended:
+    assert c.attempt is not None
+    if not c.cleanup and past_deadline(c):
+        # Past its timeout before this attempt began (it woke at its deadline, or a retry
+        # came late): failed without running anything.
+        return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
+    if play is not None and play.sandboxed and sandbox_spec is not None:
+        from worker import sandbox
+
+        ended = await sandbox.run_attempt(
+            c,
+            ctx.info,
+            app=sandbox_spec.app,
+            gateway_url=sandbox_spec.gateway_url,
+            tokens=sandbox_spec.tokens,
+            stop_reason=stop_reason,
+        )
+        if stop_reason() == "timeout" and not isinstance(ended, tuple) and ended is not None:
+            # Stopped at the run's timeout: its cleanup hooks ran in the sandbox (as for a
+            # cancel); the run fails.
+            return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
+        if isinstance(ended, tuple):
+            return Ended(_until_deadline(c, ended[0]), event=ended[1])
+        return Ended(None if ended is None else _until_deadline(c, ended))
+    if c.cleanup:
+        return Ended(await cleanup(c, ctx, play))
+    try:
+        if play is None:  # the claim only takes plays this worker has
+            raise Fatal(f"play {c.play!r} is not registered in this worker")
+        result = await play.fn(ctx, ctx.params)
+        return Ended(success(c, result))
+    except asyncio.CancelledError:
+        reason = stop_reason() or "handback"
+        if reason == "cancel":
+            return Ended(await cleanup(c, ctx, play))
+        if reason == "timeout":
+            # The run's timeout: stopped like a cancel (its cleanup hooks run), then failed.
+            await cleanup(c, ctx, play)
+            return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
+        if reason == "lease_lost":
+            return Ended(None)  # a newer attempt or the rescuer owns the run: no write at all
+        return Ended(outcomes.handed_back(c.run_id, c.attempt))
+    except Suspend as suspend:
+        final = outcomes.suspended(
+            c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
+        )
+        return Ended(_until_deadline(c, final), event=suspend.event)
+    except FenceError as exc:
+        log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
+        return Ended(None)
+    except Exception as exc:
+        fatal = isinstance(exc, Fatal | WorkerError) and not outcomes.is_interruption(exc)
+        final = outcomes.after_exception(
+            c.run_id, c.attempt, exc, budget(c), now=datetime.now(UTC), fatal=fatal
+        )
+        level = "warning" if final.state == outcomes.RunState.QUEUED else "error"
+        getattr(log, level)(
+            "attempt_raised",
+            play=c.play,
+            outcome=str(final.outcome),
+            next_state=str(final.state),
+            error=repr(exc)[:500],
+            exc_info=final.outcome is not outcomes.Outcome.INTERRUPTED,
+        )
+        return Ended(final)
+
+
+def past_deadline(c: runs.Claimed) -> bool:
+    """Whether the run's timeout had passed when this attempt was claimed."""
+    claimed_at = c.claimed_at
+    return c.timeout_at is not None and claimed_at is not None and claimed_at >= c.timeout_at
+
+
+def _until_deadline(c: runs.Claimed, final: Finish) -> Finish:
+    """A suspension wakes the run by its timeout at the latest (to fail it then)."""
+    if c.timeout_at is None or final.state != outcomes.RunState.SLEEPING:
+        return final
+    if final.spawn_at is not None and final.spawn_at <= c.timeout_at:
+        return final
+    return dataclasses.replace(final, spawn=True, spawn_at=c.timeout_at)
+
+
+def success(c: runs.Claimed, result: Any) -> Finish:
+    assert c.attempt is not None
+    try:
+        # The one JSON rule (no NaN, no NUL, no lone surrogate, bounded depth and size): a
+        # result the database would refuse must fail this run, not the finish batch it
+        # shares with other runs.
+        fields.encode(result, field="result", max_bytes=fields.MAX_RESULT_BYTES)
+    except WorkerError as exc:
+        return outcomes.failed(
+            c.run_id,
+            c.attempt,
+            {"type": "ResultNotJSON", "message": f"the play's result: {exc.message}"},
+            c.retry,
+            now=datetime.now(UTC),
+            failure=(c.failures or 0) + 1,
+            retryable=False,
+        )
+    return outcomes.succeeded(c.run_id, c.attempt, result)
+
+
+async def cleanup(c: runs.Claimed, ctx: RunContext, play: Play | None) -> Finish:
+    """Run the cancel hooks (the play's, then the ones the attempt registered), each
+    bounded; then the final ``cancelled`` write. A failing hook is logged, never fatal."""
+    assert c.attempt is not None
+    hooks = [*(play.on_cancel if play else ()), *ctx.cleanups]
+    for hook in hooks:
+        try:
+            async with asyncio.timeout(CLEANUP_HOOK_TIMEOUT_S):
+                await hook(ctx)
+        except Exception as exc:
+            log.warning("cleanup_hook_failed", play=c.play, error=repr(exc)[:500])
+    return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")

@@ -1,0 +1,151 @@
+"""The ``worker`` command line: thin commands over ``queues`` and the runtime.
+
+One convention for every command: data goes to stdout (text, or JSON with ``--json``, with
+ISO 8601 timestamps), messages and logs to stderr; durations are ``500ms``/``60s``/``5m``/
+``1h``/``7d``; interactive commands are quiet unless ``-v`` is given, services log at INFO.
+Every failure ends at one boundary (:func:`main`) as ``error[CODE]: message (field: rule)
+Fix: ...`` with the exit status of :class:`queues.errors.ExitCode`, never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import click
+import psycopg
+
+from queues.errors import ExitCode, WorkerError, connection_lost, translate
+from worker import logs
+from worker.cli import admin, lanes, ledger, ops, processes, runs, scheduling, tokens
+from worker.cli.common import State, report
+
+# Services: they log at INFO unless told otherwise; every other command logs warnings only.
+SERVICES = frozenset({"start", "recover", "gateway", "dashboard"})
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("worker")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), "--version", prog_name="worker", message="%(prog)s %(version)s")
+@click.option(
+    "--database-url",
+    help="Postgres URL (default: $WORKER_DATABASE_URL, then $DATABASE_URL, else the embedded "
+    "database; per-role variables in the README).",
+)
+@click.option(
+    "--home",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="WORKER_HOME",
+    help="Directory of the embedded database (default: $WORKER_HOME or a per-user dir).",
+)
+@click.option("-v", "--verbose", count=True, help="Log more: -v info, -vv debug.")
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default=None,
+    help="Minimum level of log lines (default: INFO for services, WARNING otherwise).",
+)
+@click.option("--json-logs/--console-logs", default=None, help="Force the log format.")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    database_url: str | None,
+    home: Path | None,
+    verbose: int,
+    log_level: str | None,
+    json_logs: bool | None,
+) -> None:
+    """A durable, release-pinned task-queue worker on Postgres."""
+    if log_level is None:
+        if verbose >= 2:
+            log_level = "DEBUG"
+        elif verbose == 1 or ctx.invoked_subcommand in SERVICES:
+            log_level = "INFO"
+        else:
+            log_level = "WARNING"
+    logs.configure(level=log_level, json=json_logs)
+    ctx.obj = State(database_url, home)
+
+
+for command in (
+    admin.migrate,
+    admin.db_group,
+    admin.metrics,
+    admin.demo,
+    processes.start,
+    processes.recover_command,
+    processes.gateway_command,
+    runs.submit,
+    runs.result,
+    runs.observe_cmd,
+    runs.cancel,
+    runs.emit,
+    runs.runs_group,
+    ledger.events_command,
+    ledger.sinks_group,
+    lanes.queues_group,
+    tokens.token_group,
+    scheduling.limits_group,
+    scheduling.schedules_group,
+):
+    cli.add_command(command)
+cli.add_command(ops.dashboard_command)
+runs.runs_group.add_command(ops.retry_command)
+lanes.queues_group.add_command(ops.set_policy_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The console script: run the command, and end every failure at this boundary."""
+    try:
+        cli.main(args=argv, prog_name="worker", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted", err=True)
+        sys.exit(ExitCode.INTERRUPTED)
+    except click.ClickException as exc:
+        click.echo(f"error[USAGE_INVALID]: {exc.format_message()}", err=True)
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            click.echo(f"See `{exc.ctx.command_path} --help`.", err=True)
+        sys.exit(ExitCode.BAD_INPUT)
+    except WorkerError as exc:
+        report(exc)
+        sys.exit(exc.exit_code)
+    except psycopg.Error as exc:
+        # A database error is reported, never a traceback: ours by its code, a lost
+        # connection as unreachable, anything else as the database's own message.
+        mapped = translate(exc)
+        if mapped is not None:
+            report(mapped)
+            sys.exit(mapped.exit_code)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
+        click.echo(f"error[DATABASE_ERROR]: {first}{state}", err=True)
+        sys.exit(
+            ExitCode.DATABASE_UNREACHABLE if connection_lost(exc) else ExitCode.FAILED
+        )
+    except OSError as exc:
+        click.echo(f"error[OS_ERROR]: {exc.strerror or exc} ({type(exc).__name__})", err=True)
+        sys.exit(ExitCode.FAILED)
+    except Exception as exc:
+        # A bug: say so in one line, and show the traceback only when asked to.
+        click.echo(
+            f"error[INTERNAL_ERROR]: {type(exc).__name__}: {exc} Fix: this is a bug; rerun "
+            "with WORKER_DEBUG=1 for the traceback and report it",
+            err=True,
+        )
+        if os.environ.get("WORKER_DEBUG"):
+            traceback.print_exc()
+        sys.exit(ExitCode.FAILED)
+
+
+__all__ = ["State", "cli", "main"]

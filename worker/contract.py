@@ -1,0 +1,186 @@
+"""How a run context reaches the operation contract: one dispatch, two ways to it.
+
+- :class:`LocalTransport` (in-process plays): calls :func:`queues.operations.dispatch` on a
+  pooled connection with the attempt's claims, the same receiver the gateway serves. With
+  ``hold``, the attempt keeps the connection it took between its calls (see the class).
+- :class:`GatewayTransport` (sandboxed plays): posts the same action to the gateway with
+  the attempt's token (the run-ledger token for the ledger actions), with the reference
+  runtime's per-action timeouts, and turns an error answer back into the error it was.
+  An answer of an older gateway that lacks the stable-intent admission becomes
+  ``RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE`` (retry after the rollout), never a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Protocol
+
+import httpx
+from psycopg_pool import AsyncConnectionPool
+
+from queues import errors, operations
+from queues.authority import Claims
+from queues.errors import InvalidField, WriteIntentUnavailable
+
+INTENT_ACTION = "runtime_sheet_start_with_intent"
+# The answers of a receiver that does not have the intent action (the reference's list).
+_OLDER_RECEIVER_MESSAGES = (
+    operations.SCOPE_MESSAGE,
+    "Unsupported runtime data-plane action.",
+    f"Unsupported action: {INTENT_ACTION}",
+)
+
+
+class Transport(Protocol):
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any: ...
+
+
+def _body(action: str, payload: dict[str, Any], key: str | None, owner: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"action": action, "input": payload}
+    if key is not None:  # a keyed outbox delivery: the key and the delivery lease owner
+        body["idempotencyKey"] = key
+        body["deliveryLeaseOwner"] = owner
+    return body
+
+
+class LocalTransport:
+    """In process: the gateway's own dispatch, with the attempt's claims.
+
+    With ``hold`` (the pool has a connection for every attempt and the worker's loops),
+    the attempt keeps the connection it first took until :meth:`aclose`, instead of taking
+    one from the pool per call: the pool hands its connections out in turn, and a call on a
+    connection other than the last one used cost about 180 us more (its server process
+    had gone to sleep), a third of a step. A call made while another call of the attempt
+    is running (a play that gathers steps) takes a pooled connection as before; a call
+    that fails gives the held connection back to the pool, which checks it.
+    """
+
+    def __init__(
+        self,
+        pool: AsyncConnectionPool[Any],
+        claims: Claims,
+        ledger_claims: Claims,
+        *,
+        hold: bool = False,
+    ) -> None:
+        self._pool = pool
+        self._claims = claims
+        self._ledger_claims = ledger_claims
+        self._hold = hold
+        self._held: Any = None  # the attempt's connection between its calls
+        self._busy = False
+        self._returning: set[asyncio.Future[None]] = set()  # give-backs still in flight
+
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any:
+        ledger = action in operations.LEDGER_ACTIONS
+        claims = self._ledger_claims if ledger else self._claims
+        body = _body(action, payload, idempotency_key, claims.owner)
+        if not self._hold or self._busy:
+            async with self._pool.connection() as conn:
+                return await operations.dispatch(conn, body, claims)
+        self._busy = True
+        try:
+            if self._held is None:
+                self._held = await self._pool.getconn()
+            conn = self._held
+            try:
+                return await operations.dispatch(conn, body, claims)
+            except BaseException:
+                self._held = None
+                await self._give_back(conn)
+                raise
+        finally:
+            self._busy = False
+
+    async def aclose(self) -> None:
+        """Give the held connection back to the pool and wait until every connection this
+        transport gave back is in (the attempt is over; idempotent)."""
+        conn, self._held = self._held, None
+        if conn is not None:
+            await self._give_back(conn)
+        if self._returning:
+            await asyncio.gather(*self._returning, return_exceptions=True)
+
+    async def _give_back(self, conn: Any) -> None:
+        # Shielded: a cancel of the attempt (a lost lease, a hand-back) that arrives while
+        # the connection is on its way back must not leave it unreturned and unclosed;
+        # the give-back is kept so aclose can wait for it.
+        returning = asyncio.ensure_future(self._pool.putconn(conn))
+        self._returning.add(returning)
+        returning.add_done_callback(self._returning.discard)
+        await asyncio.shield(returning)
+
+
+class GatewayTransport:
+    """Through the gateway: ``POST {url}/runtime`` with ``Authorization: Bearer TOKEN``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        executor_token: str,
+        ledger_token: str,
+        owner: str,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.url = url.rstrip("/") + "/runtime"
+        self._executor = executor_token
+        self._ledger = ledger_token
+        self._owner = owner
+        self._client = client or httpx.AsyncClient()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any:
+        ledger = action in operations.LEDGER_ACTIONS
+        body = _body(action, payload, idempotency_key, self._owner)
+        try:
+            content = json.dumps(body, allow_nan=False, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidField(
+                f"the input of {action} is not JSON: {exc}",
+                field="input",
+                rule="JSON values only (dict, list, str, int, finite float, bool, None)",
+                fix="return plain data, e.g. convert objects with a to_dict() or str()",
+            ) from exc
+        found = operations.ACTIONS.get(action)
+        response = await self._client.post(
+            self.url,
+            content=content.encode(),
+            headers={
+                "Authorization": f"Bearer {self._ledger if ledger else self._executor}",
+                "Content-Type": "application/json",
+            },
+            timeout=found.timeout_s if found else operations.DEFAULT_TIMEOUT_S,
+        )
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {}
+        if response.status_code == 200:
+            return answer.get("result")
+        error = answer.get("error") if isinstance(answer, dict) else None
+        error = error if isinstance(error, dict) else {"message": response.text[:500]}
+        cause = errors.from_wire(error)
+        if (
+            action == INTENT_ACTION
+            and response.status_code in (400, 403)
+            and error.get("message") in _OLDER_RECEIVER_MESSAGES
+        ):
+            raise WriteIntentUnavailable(
+                "Runtime Sheet write intent is unavailable on this gateway. Retry after the "
+                f"runtime rollout. ({error.get('message')}; status {response.status_code})",
+                field="action",
+                rule=f"{INTENT_ACTION} needs a receiver that serves it",
+                fix="retry once the runtime rollout reaches the gateway; never fall back to a "
+                "legacy admission",
+            ) from cause
+        raise cause

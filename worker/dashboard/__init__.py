@@ -1,0 +1,67 @@
+"""``worker dashboard``: the operator's web UI (runs, a run, lanes, metrics).
+
+Server-rendered with Starlette and Jinja2 templates (no Node build step), live by polling,
+read with the reader role, acting with the worker role, behind a login secret and CSRF
+protection. :func:`start` serves it on an event loop (the CLI and the tests use it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from queues import migrations
+from worker import db
+from worker.dashboard import auth
+from worker.dashboard.app import Dashboard, make_app
+from worker.gateway import Served
+
+
+@dataclass
+class Running:
+    """A dashboard being served; ``await stop()`` ends it."""
+
+    served: Served
+    pool: AsyncConnectionPool[Any]
+    url: str
+
+    async def stop(self) -> None:
+        await self.served.stop()
+        await self.pool.close()
+
+
+async def start(
+    *,
+    reader_url: str,
+    worker_url: str,
+    secret: str,
+    host: str = "127.0.0.1",
+    port: int = 8086,
+) -> Running:
+    """Verify the schema contract, open the reader's pool and serve the dashboard."""
+    conn = await db.connect(reader_url, autocommit=True)
+    async with conn:
+        await migrations.verify_contract(conn)
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        reader_url,
+        min_size=1,
+        max_size=4,
+        open=False,
+        timeout=5.0,
+        kwargs={"autocommit": True, "connect_timeout": 5},
+        check=AsyncConnectionPool.check_connection,  # a restarted database: reconnect
+    )
+    await pool.open(wait=True, timeout=30)
+    try:
+        dash = Dashboard(reader=pool, worker_url=worker_url, sessions=auth.Sessions(secret))
+        served = Served(make_app(dash), host=host, port=port)
+        url = await served.start()
+    except BaseException:
+        await pool.close()
+        raise
+    return Running(served=served, pool=pool, url=url)
+
+
+__all__ = ["Dashboard", "Running", "auth", "make_app", "start"]

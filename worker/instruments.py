@@ -1,0 +1,68 @@
+"""The process's own measurements: histograms of pickup latency, attempt and step duration.
+
+They are observed where the work happens (:mod:`worker.attempt`, :mod:`worker.context`)
+and exposed by ``/metrics`` (:mod:`worker.metrics_http`) next to the totals read from the
+database. They are per process (each worker measures its own attempts), as Prometheus
+histograms are: aggregate them across instances with ``sum by (le)``.
+
+The metric objects are made without a registry; each ``/metrics`` server registers them in
+a registry of its own, so a process that serves several (tests) never double-registers.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from prometheus_client import Histogram
+
+from queues import runs
+
+# Seconds: from a few milliseconds (a claim on a busy lane) to minutes (a backlog).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+# Seconds: plays run from milliseconds to hours.
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600)
+
+PICKUP_LATENCY = Histogram(
+    "wq_pickup_latency_seconds",
+    "From a run's admission to the claim of its first attempt (database clock), per lane.",
+    ["lane"],
+    buckets=_LATENCY_BUCKETS,
+    registry=None,
+)
+ATTEMPT_DURATION = Histogram(
+    "wq_attempt_duration_seconds",
+    "Wall time of an attempt in this worker, from its claim to its end, by lane, play and outcome.",
+    ["lane", "play", "outcome"],
+    buckets=_DURATION_BUCKETS,
+    registry=None,
+)
+STEP_DURATION = Histogram(
+    "wq_step_duration_seconds",
+    "Wall time of a step that executed (not replayed) in this worker, by play and outcome.",
+    ["play", "outcome"],
+    buckets=_DURATION_BUCKETS,
+    registry=None,
+)
+
+PROCESS_METRICS = (PICKUP_LATENCY, ATTEMPT_DURATION, STEP_DURATION)
+
+
+def picked_up(c: runs.Claimed) -> None:
+    """Observe the pickup latency of a run's first attempt (retries wait on purpose)."""
+    if c.attempt != 1 or c.cleanup or c.created_at is None:
+        return
+    if c.lease_expires_at is None or c.lease_ttl_s is None:
+        return
+    claimed_at = c.lease_expires_at - timedelta(seconds=c.lease_ttl_s)
+    latency = (claimed_at - c.created_at).total_seconds()
+    PICKUP_LATENCY.labels(lane=c.lane or "").observe(max(0.0, latency))
+
+
+def attempt_finished(c: runs.Claimed, outcome: str, seconds: float) -> None:
+    ATTEMPT_DURATION.labels(lane=c.lane or "", play=c.play or "", outcome=outcome).observe(
+        max(0.0, seconds)
+    )
+
+
+def step_finished(play: str, outcome: str, seconds: float) -> None:
+    STEP_DURATION.labels(play=play, outcome=outcome).observe(max(0.0, seconds))

@@ -1,0 +1,338 @@
+"""The projector: delivers the run ledger's outbox to its sinks (when and how).
+
+``queues.ledger`` owns what a delivery is (the lease, the fenced marks, the progress
+fold); this module owns the loop and the HTTP client. It runs inside ``worker start`` (one
+more loop of the worker) and ``worker recover --every`` (next to the recovery passes):
+no process of its own. Any number of projectors share one outbox: a lease is taken with
+``FOR UPDATE SKIP LOCKED``, so no row is delivered by two at once.
+
+One pass (:func:`project_once`): lease a batch of due deliveries; fold the progress
+sink's into ``wq_progress`` (one statement, fenced by the lease); POST the HTTP sinks'
+events (a thread pool of its own, standard library ``urllib``, ``timeout_s`` each, no
+redirects followed) with ``Idempotency-Key: <run_id>:<seq>``; mark the 2xx answers
+delivered and record every other answer or connection error as a failure, retried with
+capped exponential backoff. A mark is applied only while the lease is still this
+projector's; a lease that lapsed mid-delivery was taken over, and the next holder delivers
+again with the same key (receivers dedupe on it).
+
+The loop (:func:`project_forever`) is two: one for the progress sink, one for the HTTP
+sinks, each on its own connection, so a slow endpoint never delays the progress bar. Each
+LISTENs on ``wq_run_events`` (every append NOTIFYs it) and polls every ``poll_s`` as well
+(a lost notification, a retry coming due), outlives database outages (reconnecting with
+backoff) and never ends before its stop event. Inside a worker they only poll
+(``listen=False``): every append NOTIFYs every listener, so with many worker hosts the
+notifications would cost every host (and Postgres, delivering them) work per event of every
+run (``bench.scale`` measured a third less CPU per run at 8 hosts without them); the
+progress then trails by up to ``poll_s``. Behind a transaction-mode pooler they poll too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import socket
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+import structlog
+
+from queues import ledger
+from queues.errors import InvalidField
+from worker import db
+from worker.config import PoolMode
+
+log = structlog.get_logger("worker.projector")
+
+TIMEOUT_S = 5.0  # one HTTP delivery, connect to last byte
+CONCURRENCY = 10  # HTTP deliveries at once, per projector
+POLL_S = 1.0  # a pass at least this often without a notification
+CHANNEL = "wq_run_events"  # every ledger append NOTIFYs it
+MAX_BACKOFF_S = 5.0  # between reconnects while the database is away
+_BODY_SAMPLE = 200  # characters of a failing answer kept in last_error
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What one pass did."""
+
+    leased: int = 0  # taken: leased (HTTP), or picked and delivered at once (progress)
+    delivered: int = 0  # progress folds and 2xx answers recorded
+    failed: int = 0  # failures recorded, each with its retry time
+    lost: int = 0  # deliveries whose lease another projector took before the mark
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a redirect is not a 2xx: a failed delivery, never re-sent elsewhere
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> str | None:
+    """POST ``body`` to ``url``; None for a 2xx answer, else what went wrong (blocking)."""
+    request = urllib.request.Request(url, data=body, method="POST", headers=dict(headers))
+    try:
+        with _OPENER.open(request, timeout=timeout_s) as answer:
+            answer.read(64 * 1024)  # drain a little so the connection closes cleanly
+            return None
+    except urllib.error.HTTPError as exc:
+        with contextlib.closing(exc):
+            sample = exc.read(_BODY_SAMPLE).decode("utf-8", "replace").strip()
+        return f"HTTP {exc.code}" + (f": {sample}" if sample else "")
+    except urllib.error.URLError as exc:
+        return f"connection failed: {exc.reason}"
+    except Exception as exc:  # a timeout, a reset, a malformed answer: the sink's failure
+        return f"delivery failed: {exc!r}"[: _BODY_SAMPLE * 2]
+
+
+def headers_for(delivery: ledger.Delivery) -> dict[str, str]:
+    return {
+        "Content-Type": "application/json",
+        "Idempotency-Key": delivery.idempotency_key,
+        "User-Agent": "worker-projector",
+    }
+
+
+async def project_once(
+    conn: psycopg.AsyncConnection[Any],
+    owner: str,
+    *,
+    limit: int = ledger.DEFAULT_BATCH,
+    lease_s: float = ledger.DEFAULT_LEASE_S,
+    timeout_s: float = TIMEOUT_S,
+    now: datetime | None = None,
+    kind: ledger.SinkKind | None = None,
+    executor: ThreadPoolExecutor | None = None,
+    rng: random.Random | None = None,
+) -> Report:
+    """Lease a batch of due deliveries (of one kind of sink, when given), deliver them,
+    record each outcome (fenced). The progress sinks' deliveries alone (``kind``) need no
+    lease: they are picked, folded and marked in one statement."""
+    if kind is ledger.SinkKind.PROGRESS:
+        done = await ledger.project_progress(conn, limit, now=now)
+        return Report(leased=len(done), delivered=len(done))
+    leased = await ledger.lease_deliveries(conn, owner, limit, lease_s, now=now, kind=kind)
+    if not leased:
+        return Report()
+    progress = [d.id for d in leased if d.sink_kind is ledger.SinkKind.PROGRESS]
+    folded = await ledger.deliver_progress(conn, owner, progress, now=now)
+    http = [d for d in leased if d.sink_kind is ledger.SinkKind.HTTP]
+    loop = asyncio.get_running_loop()
+    errors = await asyncio.gather(
+        *(
+            loop.run_in_executor(
+                executor,
+                post_json,
+                d.url or "",
+                json.dumps(d.body(), separators=(",", ":"), default=str).encode(),
+                headers_for(d),
+                timeout_s,
+            )
+            for d in http
+        )
+    )
+    ok = [d.id for d, error in zip(http, errors, strict=True) if error is None]
+    marked = await ledger.mark_delivered(conn, owner, ok, now=now)
+    failed = 0
+    for d, error in zip(http, errors, strict=True):
+        if error is None:
+            continue
+        retry_at = d.retry_at(rng=rng)
+        if await ledger.mark_failed(conn, owner, d.id, error, retry_at):
+            failed += 1
+            log.warning(
+                "delivery_failed",
+                sink=d.sink,
+                run_id=str(d.event.run_id),
+                seq=d.event.seq,
+                attempts=d.attempts,
+                error=error,
+                retry_at=retry_at.isoformat(),
+            )
+    delivered = len(folded) + len(marked)
+    report = Report(
+        leased=len(leased),
+        delivered=delivered,
+        failed=failed,
+        lost=len(leased) - delivered - failed,
+    )
+    if report.lost:
+        log.warning("delivery_lease_lost", owner=owner, deliveries=report.lost)
+    return report
+
+
+def check_settings(*, batch: int, lease_s: float, timeout_s: float, concurrency: int) -> None:
+    """A batch of HTTP deliveries must finish well inside its lease, or another projector
+    takes it over and every receiver sees it twice."""
+    worst_s = math.ceil(batch / concurrency) * timeout_s
+    if batch < 1 or concurrency < 1 or worst_s >= lease_s:
+        raise InvalidField(
+            f"a batch of {batch} deliveries, {concurrency} at a time, {timeout_s:g}s each, "
+            f"can outlast its {lease_s:g}s lease",
+            field="lease_s",
+            rule="ceil(batch / concurrency) * timeout_s < lease_s",
+            fix="lower the batch or the timeout, or raise the lease",
+        )
+
+
+def default_owner(role: str) -> str:
+    return f"{role}:{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+async def project_forever(
+    url: str,
+    stop: asyncio.Event,
+    *,
+    owner: str | None = None,
+    batch: int = ledger.DEFAULT_BATCH,
+    lease_s: float = ledger.DEFAULT_LEASE_S,
+    timeout_s: float = TIMEOUT_S,
+    concurrency: int = CONCURRENCY,
+    poll_s: float = POLL_S,
+    listen: bool = True,
+    mode: PoolMode | None = None,
+) -> int:
+    """Deliver the outbox until ``stop`` is set; returns the deliveries made.
+
+    With ``listen`` each loop LISTENs on its own connection, unless ``mode`` (default:
+    ``WORKER_POOL_MODE``) is a transaction pooler; otherwise it polls every ``poll_s``.
+
+    Two loops, each on a connection of its own: the progress sink's and the HTTP sinks',
+    so a slow or unreachable endpoint (a batch can take ``timeout_s`` per round of
+    ``concurrency`` requests) never holds back the progress ``worker observe`` shows.
+    Neither ends before ``stop`` (a failure is logged, the connection replaced after a
+    backoff), so they can run next to loops whose end means the process ends.
+    """
+    check_settings(batch=batch, lease_s=lease_s, timeout_s=timeout_s, concurrency=concurrency)
+    owner = owner or default_owner("projector")
+    executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="wq-projector")
+    try:
+        delivered = await asyncio.gather(
+            *(
+                _loop(
+                    url,
+                    stop,
+                    owner=owner,
+                    kind=kind,
+                    batch=batch,
+                    lease_s=lease_s,
+                    timeout_s=timeout_s,
+                    poll_s=poll_s,
+                    executor=executor,
+                    listen=listen,
+                    mode=mode,
+                )
+                for kind in ledger.SinkKind
+            )
+        )
+    finally:
+        # A delivery still in flight ends at its timeout; its lease lapses and another
+        # projector delivers it again, under the same key.
+        executor.shutdown(wait=False, cancel_futures=True)
+    log.info("projector_stopped", owner=owner, delivered=sum(delivered))
+    return sum(delivered)
+
+
+async def _loop(
+    url: str,
+    stop: asyncio.Event,
+    *,
+    owner: str,
+    kind: ledger.SinkKind,
+    batch: int,
+    lease_s: float,
+    timeout_s: float,
+    poll_s: float,
+    executor: ThreadPoolExecutor,
+    listen: bool,
+    mode: PoolMode | None,
+) -> int:
+    delivered = 0
+    delay = 0.1
+    listen = listen and db.listens(mode)
+    while not stop.is_set():
+        try:
+            conn = await db.connect(
+                url, autocommit=True, mode=mode, application=f"wq-projector {owner}"
+            )
+            async with conn:
+                if listen:
+                    await conn.execute(f"LISTEN {CHANNEL}")
+                if delay > 0.1:
+                    log.info("projector_reconnected", owner=owner, sinks=str(kind))
+                delay = 0.1
+                while not stop.is_set():
+                    report = await project_once(
+                        conn,
+                        owner,
+                        limit=batch,
+                        lease_s=lease_s,
+                        timeout_s=timeout_s,
+                        kind=kind,
+                        executor=executor,
+                    )
+                    delivered += report.delivered
+                    if report.leased < batch:
+                        if listen:
+                            await _wait(conn, stop, poll_s)
+                        else:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(stop.wait(), poll_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the database went away, or a bug: never fatal here
+            log.warning("projector_failed", owner=owner, sinks=str(kind), error=repr(exc)[:300])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+    return delivered
+
+
+def start(
+    url: str,
+    stop: asyncio.Event,
+    *,
+    owner: str | None = None,
+    listen: bool = True,
+    mode: PoolMode | None = None,
+) -> asyncio.Task[int]:
+    """:func:`project_forever` as a task, next to a worker's or a recoverer's loops."""
+    return asyncio.create_task(
+        project_forever(url, stop, owner=owner, listen=listen, mode=mode), name="projector"
+    )
+
+
+async def _wait(conn: psycopg.AsyncConnection[Any], stop: asyncio.Event, timeout_s: float) -> None:
+    """Until a ledger notification, ``stop``, or ``timeout_s``."""
+
+    async def notified() -> None:
+        async for _ in conn.notifies(timeout=timeout_s, stop_after=1):
+            break
+        # Whatever else arrived meanwhile is covered by the same next pass.
+        async for _ in conn.notifies(timeout=0):
+            pass
+
+    listening = asyncio.ensure_future(notified())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({listening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not listening.done():
+            listening.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listening
+    if listening.done() and not listening.cancelled():
+        listening.result()  # re-raises a lost connection: the loop reconnects
