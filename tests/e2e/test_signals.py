@@ -60,7 +60,8 @@ async def test_a_second_sigterm_exits_at_once(db_url: str, tmp_path: Path) -> No
         assert await run_state(db_url, run_id) == "running"
         proc.send_signal(signal.SIGTERM)
         # The second exits at once, non-zero (the wait is only a hang guard).
-        assert proc.wait(timeout=30) == 1
+        code = proc.wait(timeout=30)
+        assert code == 1, (code, log_path.read_text(errors="replace")[-4000:])
         assert b"worker_exit_now" in log_path.read_bytes()
         assert await run_state(db_url, run_id) == "running"  # its lease will lapse
     finally:
