@@ -20,7 +20,9 @@ dead-peer detection hold everywhere:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -88,6 +90,26 @@ async def connect(
         raise unreachable(url, exc) from exc
 
 
+@contextlib.asynccontextmanager
+async def session(
+    url: str, *, mode: PoolMode | None = None, application: str | None = None
+) -> AsyncIterator[psycopg.AsyncConnection[TupleRow]]:
+    """An autocommit connection of its own, closed however the block ends.
+
+    Not psycopg's ``async with conn``: that commits (or rolls back) before it closes, and
+    the commit may yield to the event loop even with nothing to send (psycopg yields when
+    the loop has been busy for a few milliseconds). A loop that saw its stop event and was
+    committing on its way out took the shutdown's cancel there and skipped the close; the
+    connection stayed open until garbage collection. Closing needs no round trip, so it
+    cannot be interrupted; an autocommit connection has nothing to commit.
+    """
+    conn = await connect(url, autocommit=True, mode=mode, application=application)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
 async def wait_for_contract(url: str, *, timeout_s: float) -> None:
     """Return once the database is at this code's schema contract (memoized as verified).
 
@@ -100,8 +122,7 @@ async def wait_for_contract(url: str, *, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     waited = False
     while True:
-        conn = await connect(url, autocommit=True)
-        async with conn:
+        async with session(url) as conn:
             try:
                 await migrations.verify_contract(conn)
             except ProcrastinateTooOld:

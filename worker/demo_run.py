@@ -30,8 +30,7 @@ async def run_demo(
     """The demo. ``urls`` gives each purpose's URL: it migrates as the owner, then runs the
     worker as the worker role and follows the run as the reader (least privilege)."""
     started = time.perf_counter()
-    conn = await db.connect(urls(config.Purpose.MIGRATE), autocommit=True)
-    async with conn:
+    async with db.session(urls(config.Purpose.MIGRATE)) as conn:
         report = await migrations.migrate(conn)
         echo(f"schema ready (version {report.contract.version})")
     after_migrate()
@@ -54,8 +53,7 @@ async def run_demo(
     echo(f"worker ready on lane {worker.lane_names[0]}")
     try:
         sample = inputs.read_rows(sample_path())[:rows]
-        conn = await db.connect(url, autocommit=True)
-        async with conn:
+        async with db.session(url) as conn:
             admitted = await admission.Admitter().submit(
                 conn,
                 admission.Submission(
@@ -66,14 +64,12 @@ async def run_demo(
             )
         echo(f"admitted run {admitted.run_id} with {len(sample)} rows")
         code = await observe.follow(urls(config.Purpose.READ), admitted.run_id)
-        conn = await db.connect(url, autocommit=True)
-        async with conn:
+        async with db.session(url) as conn:
             run = await runs.get(conn, admitted.run_id)
         echo("")
         echo(f"summary: {json.dumps(run.result, sort_keys=True)}")
         # The same play, sandboxed: a child process with a token and no credentials.
-        conn = await db.connect(url, autocommit=True)
-        async with conn:
+        async with db.session(url) as conn:
             boxed = await admission.Admitter().submit(
                 conn,
                 admission.Submission(play="enrich-sandboxed", release=DEMO_RELEASE),

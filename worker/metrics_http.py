@@ -36,7 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from queues import metrics, totals
-from worker import instruments
+from queues.errors import DatabaseUnreachable
+from worker import db, instruments
 
 log = structlog.get_logger("worker.metrics")
 
@@ -55,10 +56,7 @@ class DatabaseCollector(Collector):
 
     async def _read(self) -> tuple[totals.Totals, metrics.Metrics]:
         async with asyncio.timeout(self.timeout_s):
-            conn = await psycopg.AsyncConnection.connect(
-                self.url, autocommit=True, connect_timeout=5
-            )
-            async with conn:
+            async with db.session(self.url) as conn:
                 found_totals = await totals.read(conn)
                 found = await metrics.collect(conn)
         return found_totals, found
@@ -68,7 +66,7 @@ class DatabaseCollector(Collector):
         try:
             # The scrape runs in the server's own thread: a loop of its own for the read.
             found_totals, found = asyncio.run(self._read())
-        except (psycopg.Error, OSError, TimeoutError) as exc:
+        except (psycopg.Error, DatabaseUnreachable, OSError, TimeoutError) as exc:
             log.warning("metrics_database_unavailable", error=str(exc).strip()[:300])
             up.add_metric([], 0)
             yield up

@@ -58,8 +58,7 @@ async def wait_terminal(
 ) -> runs.Run | None:
     """The run once terminal, or None when ``timeout`` seconds pass first."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    listener = await db.connect(url, autocommit=True)
-    async with listener:
+    async with db.session(url) as listener:
         if db.listens():  # not through a transaction pooler: there, the poll alone
             await listener.execute("LISTEN wq_run_events")
         while True:
@@ -82,12 +81,11 @@ async def follow(
 ) -> int:
     """Print a run's ledger and its row progress live until it is terminal; returns the exit
     code of its final state. ``as_json``: one JSON object per line (events, progress, end)."""
-    listener = await db.connect(url, autocommit=True)
     last_event = 0
     last_counts = (-1, -1)
     progress = RowProgress(echo=echo)
     say = progress.echo
-    async with listener:
+    async with db.session(url) as listener:
         if db.listens():  # not through a transaction pooler: there, the poll alone
             await listener.execute("LISTEN wq_run_events")
         try:

@@ -264,10 +264,7 @@ async def _loop(
     listen = listen and db.listens(mode)
     while not stop.is_set():
         try:
-            conn = await db.connect(
-                url, autocommit=True, mode=mode, application=f"wq-projector {owner}"
-            )
-            async with conn:
+            async with db.session(url, mode=mode, application=f"wq-projector {owner}") as conn:
                 if listen:
                     await conn.execute(f"LISTEN {CHANNEL}")
                 if delay > 0.1:

@@ -74,8 +74,7 @@ async def recover_once(
     application: str | None = None,
 ) -> recovery.RecoveryReport:
     """One pass on a fresh connection, after verifying the schema contract."""
-    conn = await db.connect(url, autocommit=True, mode=mode, application=application)
-    async with conn:
+    async with db.session(url, mode=mode, application=application) as conn:
         await migrations.verify_contract(conn)
         started = asyncio.get_running_loop().time()
         report = await recovery.run_once(

@@ -158,9 +158,7 @@ class Worker:
         self.gateway_url: str | None = settings.gateway_url
         self.mode = settings.pool_mode or pool_mode()
         # One LISTEN session: the listen URL, else the database URL when it is a session.
-        self.listen_url = settings.listen_url or (
-            settings.url if db.listens(self.mode) else None
-        )
+        self.listen_url = settings.listen_url or (settings.url if db.listens(self.mode) else None)
         self.budget: connections.Budget | None = None
         self.transports: set[LocalTransport] = set()  # of attempts not closed yet
         self.stats = {
@@ -247,13 +245,9 @@ class Worker:
 
     async def _startup(self) -> None:
         """Verify the contract, prepare the lanes (before reporting ready), register."""
-        conn = await db.connect(
-            self.s.url,
-            autocommit=True,
-            mode=self.mode,
-            application=f"wq-start {self.s.worker_id}",
-        )
-        async with conn:
+        async with db.session(
+            self.s.url, mode=self.mode, application=f"wq-start {self.s.worker_id}"
+        ) as conn:
             await migrations.verify_contract(conn)
             # The worker owns preparation: its lane is prepared before it reports ready.
             # Preparing never reopens a closed lane: the worker serves it all the same.
@@ -392,7 +386,7 @@ class Worker:
         try:
             await transport.listen(conn, self.lane_names)
         except BaseException:
-            # Cut off, or cancelled at shutdown, before the caller's `async with` owns it.
+            # Cut off, or cancelled at shutdown, before the caller owns it.
             await conn.close()
             raise
         return conn
@@ -409,12 +403,14 @@ class Worker:
             outage.ok()
             self.wake.set()  # anything inserted while we were not listening
             try:
-                async with conn:
+                try:
                     async for note in conn.notifies():
                         if note.channel == transport.CONTROL_CHANNEL:
                             self._control(note.payload)
                         else:
                             self.wake.set()
+                finally:
+                    await conn.close()  # no round trip: a cancel cannot skip it (db.session)
             except TRANSIENT as exc:
                 await outage.failed(exc)
 
@@ -545,9 +541,7 @@ class Worker:
             log.warning("run_timed_out", run_id=str(run_id), attempt=attempt_no)
             self._stop_run(live, "timeout")
 
-    async def _execute(
-        self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport
-    ) -> None:
+    async def _execute(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
         """One attempt; whatever happens, its slot and its connection are freed and the
         worker can drain."""
         try:

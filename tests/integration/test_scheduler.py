@@ -655,13 +655,16 @@ async def test_suspensions_do_not_use_up_the_retry_budget(db_url: str) -> None:
     A play that sleeps twice (each wake is a new attempt, outcome ``suspended``) and then
     fails must still get its retries: with max 3 attempts the run fails after its third
     *failed* attempt, not at its first failure because the attempt counter reached 3.
+
+    Each sleep is long enough that it cannot elapse while it is being recorded (a sleep
+    already over by then returns without suspending, rightly), even on a loaded machine.
     """
     registry = Registry()
 
     @registry.play("nap-then-boom")
     async def nap_then_boom(ctx: RunContext, params: dict[str, Any]) -> None:
-        await ctx.sleep(0.05)
-        await ctx.sleep(0.05)
+        await ctx.sleep(0.5)
+        await ctx.sleep(0.5)
         raise RuntimeError(f"boom on attempt {ctx.attempt}")
 
     async with connect(db_url) as conn:

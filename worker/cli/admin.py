@@ -101,8 +101,7 @@ def migrate(state: State, check: bool, hold: bool, as_json: bool) -> None:
 
     # Held: migrate on one connection, close it, then wait for the stop signal.
     async def migrate_once() -> int:
-        conn = await db.connect(state.url_for(config.Purpose.MIGRATE), autocommit=True)
-        async with conn:
+        async with db.session(state.url_for(config.Purpose.MIGRATE)) as conn:
             return await go(conn)
 
     run(migrate_once())

@@ -69,8 +69,7 @@ def connected(
     """Run ``go`` on one autocommit connection, with the role of ``purpose``, and exit."""
 
     async def main() -> int:
-        conn = await db.connect(state.url_for(purpose), autocommit=True)
-        async with conn:
+        async with db.session(state.url_for(purpose)) as conn:
             return await go(conn)
 
     sys.exit(asyncio.run(main()))

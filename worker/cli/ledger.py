@@ -41,8 +41,7 @@ async def print_events(
 ) -> int:
     """Print a run's ledger; with ``follow``, keep printing until the run is terminal and
     every event before its end is printed (LISTEN, and a poll for lost notifications)."""
-    conn = await db.connect(url, autocommit=True)
-    async with conn:
+    async with db.session(url) as conn:
         if follow and db.listens():  # through a transaction pooler: the poll alone
             await conn.execute("LISTEN wq_run_events")
         last = 0

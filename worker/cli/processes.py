@@ -389,8 +389,7 @@ def gateway_command(state: State, host: str, port: int, without: tuple[str, ...]
         )
         await pool.open(wait=True, timeout=30)
         try:
-            conn = await db.connect(url, autocommit=True)
-            async with conn:
+            async with db.session(url) as conn:
                 await migrations.verify_contract(conn)
             served_app = gateway.Served(
                 gateway.make_app(pool, secret=secret, served=served), host=host, port=port

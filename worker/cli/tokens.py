@@ -46,8 +46,7 @@ def token_mint(
     secret = config.token_secret(state.explicit_url, home=state.home)
 
     async def go() -> dict[str, Any]:
-        conn = await db.connect(state.url_for(config.Purpose.READ), autocommit=True)
-        async with conn:
+        async with db.session(state.url_for(config.Purpose.READ)) as conn:
             run = await runs.get(conn, rid)
             cur = await conn.execute("SELECT authority FROM wq_runs WHERE id = %s", (rid,))
             row = await cur.fetchone()

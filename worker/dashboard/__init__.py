@@ -41,8 +41,7 @@ async def start(
     port: int = 8086,
 ) -> Running:
     """Verify the schema contract, open the reader's pool and serve the dashboard."""
-    conn = await db.connect(reader_url, autocommit=True)
-    async with conn:
+    async with db.session(reader_url) as conn:
         await migrations.verify_contract(conn)
     pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
         reader_url,

@@ -166,8 +166,7 @@ class Dashboard:
     @contextlib.asynccontextmanager
     async def acting(self) -> AsyncIterator[Conn]:
         """A connection of the worker role for one action (operators act rarely)."""
-        conn = await db.connect(self.worker_url, autocommit=True)
-        async with conn:
+        async with db.session(self.worker_url) as conn:
             yield conn
 
     def render(

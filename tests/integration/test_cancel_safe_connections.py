@@ -1,0 +1,86 @@
+"""A long-lived connection is closed however its task ends, also when a cancel lands while
+the task is on its way out.
+
+psycopg's ``async with conn`` commits (or rolls back) before it closes, and that commit
+may yield to the event loop even when it has nothing to send: psycopg yields whenever the
+loop has been busy for a few milliseconds (``psycopg.waiting.MAX_BUSY_TIME``). A worker's
+shutdown sets its stop event and then cancels its loops; a loop that saw the stop and was
+committing on its way out took the cancel there and never closed its connection, which
+then stayed open until garbage collection (a ResourceWarning under load). The test makes
+psycopg yield at every finished wait, as a loaded machine does, and lands the cancel at
+each point of the way out in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from typing import Any
+
+import psycopg
+import psycopg.waiting
+import pytest
+
+from tests.workers import eventually, fetch
+from worker import db, projector
+
+Conn = psycopg.AsyncConnection[Any]
+
+
+async def _open(url: str, application: str) -> int:
+    (count,) = (
+        await fetch(
+            url,
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE %s",
+            (application + "%",),
+        )
+    )[0]
+    return int(count)
+
+
+@pytest.mark.parametrize("ticks", range(6))
+async def test_a_projector_stopped_and_cancelled_at_once_closes_both_connections(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, ticks: int
+) -> None:
+    monkeypatch.setattr(psycopg.waiting, "MAX_BUSY_TIME", 0.0)
+    stop = asyncio.Event()
+    owner = f"cancel-safe-{ticks}"
+    task = projector.start(db_url, stop, owner=owner, listen=False)
+
+    async def both_connected() -> bool:
+        return await _open(db_url, f"wq-projector {owner}") == 2
+
+    await eventually(both_connected)
+    # The worker's shutdown: the stop first, the cancel a few loop turns later.
+    stop.set()
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    # Closed at once, not when the garbage collector finds the connections.
+    assert await _open(db_url, f"wq-projector {owner}") == 0
+    gc.collect()
+
+
+@pytest.mark.parametrize("ticks", range(4))
+async def test_a_session_is_closed_when_a_cancel_lands_on_its_way_out(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, ticks: int
+) -> None:
+    monkeypatch.setattr(psycopg.waiting, "MAX_BUSY_TIME", 0.0)
+    leaving = asyncio.Event()
+    held: list[Conn] = []
+
+    async def body() -> None:
+        async with db.session(db_url, application="wq-cancel-safe") as conn:
+            held.append(conn)
+            await conn.execute("SELECT 1")
+            leaving.set()
+            await conn.execute("SELECT 2")  # the cancel lands here, or on the way out
+
+    task = asyncio.create_task(body())
+    await leaving.wait()
+    for _ in range(ticks):
+        await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert held and held[0].closed
