@@ -219,24 +219,29 @@ async def project_forever(
     owner = owner or default_owner("projector")
     executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="wq-projector")
     try:
-        delivered = await asyncio.gather(
-            *(
-                _loop(
-                    url,
-                    stop,
-                    owner=owner,
-                    kind=kind,
-                    batch=batch,
-                    lease_s=lease_s,
-                    timeout_s=timeout_s,
-                    poll_s=poll_s,
-                    executor=executor,
-                    listen=listen,
-                    mode=mode,
+        # A task group, not gather: cancelled, it returns only once both loops have ended
+        # (gather returns at the first cancelled child and leaves the other running).
+        async with asyncio.TaskGroup() as group:
+            loops = [
+                group.create_task(
+                    _loop(
+                        url,
+                        stop,
+                        owner=owner,
+                        kind=kind,
+                        batch=batch,
+                        lease_s=lease_s,
+                        timeout_s=timeout_s,
+                        poll_s=poll_s,
+                        executor=executor,
+                        listen=listen,
+                        mode=mode,
+                    ),
+                    name=f"projector:{kind}",
                 )
                 for kind in ledger.SinkKind
-            )
-        )
+            ]
+        delivered = [loop.result() for loop in loops]
     finally:
         # A delivery still in flight ends at its timeout; its lease lapses and another
         # projector delivers it again, under the same key.
