@@ -4,7 +4,8 @@ V ?= v
 help: ## List the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
-install: ## Create the virtualenv and install the project with its test extra
+install: ## The system packages the tests drive, then the virtualenv with the test extra
+	bash scripts/install-test-deps
 	python3 -m venv $(V) && $(V)/bin/pip install -e '.[test]'
 
 lint: ## ruff (lint and format check) and mypy

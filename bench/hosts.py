@@ -284,7 +284,7 @@ def pgbouncer_binary() -> str:
     )
     if found is None:
         raise FileNotFoundError(
-            "pgbouncer is not installed: `apt-get install pgbouncer` (.ci/run does)"
+            "pgbouncer is not installed: run `bash scripts/install-test-deps`"
         )
     return found
 

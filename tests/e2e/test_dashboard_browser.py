@@ -6,7 +6,7 @@ and sees its progress, opens a failed run and sees its traceback (and retries it
 a live demo run from its page, and visits the lanes and metrics pages. A screenshot of
 every page is saved under tests/artifacts/dashboard/ (git-ignored), and the paths printed.
 
-Chromium is required, never skipped: `.ci/run` installs Debian's package.
+Chromium is required, never skipped: `scripts/install-test-deps` installs Debian's package.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ registry = demo_plays.merged(failing)
 
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert found, "chromium is missing: `.ci/run` installs it (apt-get install chromium)"
+    assert found, "chromium is missing: run `bash scripts/install-test-deps`"
     return found
 
 
