@@ -1,18 +1,19 @@
 """The fairness scenario through a real worker: org A holds 10,000 queued runs, org B submits
-100; B's median wait (admission to start, the database's timestamps) stays within 2x of its
-wait on an idle lane.
+100, and B gets its share of the slots: from B's admission to B's last start, the worker
+starts about as many of A's runs as of B's, never A's backlog first.
 
 The lane is a fair lane: a per-org cap of half the worker's slots (``--org-concurrency``),
 and the claim's interleaving (the org with the fewest runs in flight first). Without a cap
-the interleaving alone gives B an equal share of the slots, which by itself makes B's
-100 runs take about twice as long as alone (the share halves); that case is measured too
-and must stay far from the 60x of a lane that takes A's backlog first.
+the interleaving alone gives B an equal share of the slots too. The share is counted in
+starts, not timed: how long B waits depends on the machine's load (speed is measured in
+``bench/``), the order of the claims does not. B's median wait, alone and behind A, is
+printed for the README's figures.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -71,8 +72,37 @@ async def clock(url: str) -> Any:
     return (await fetch(url, "SELECT clock_timestamp()"))[0][0]
 
 
-async def scenario(url: str, org_cap: int) -> tuple[float, float]:
-    """B's median wait alone, then behind A's backlog (seconds)."""
+async def starts_while_b_waits(url: str, since: Any) -> tuple[int, int]:
+    """The runs of A and of B started from B's admission (``since``) to B's last start."""
+    ((of_a, of_b),) = await fetch(
+        url,
+        "SELECT count(*) FILTER (WHERE r.org = 'a'), count(*) FILTER (WHERE r.org = 'b')"
+        "  FROM wq_runs r,"
+        "       (SELECT max(started_at) AS last FROM wq_runs"
+        "         WHERE org = 'b' AND created_at >= %(since)s) b"
+        " WHERE r.started_at >= %(since)s AND r.started_at <= b.last",
+        {"since": since},
+    )
+    return int(of_a), int(of_b)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    idle_wait_s: float  # B's median wait alone
+    wait_s: float  # B's median wait behind A's backlog
+    a_started: int  # A's runs started while B's runs waited
+    b_started: int
+
+    def report(self, label: str) -> str:
+        return (
+            f"{label}: while B waited, {self.a_started} of A's runs and {self.b_started} of "
+            f"B's started; B's median wait idle {self.idle_wait_s:.3f}s, behind 10,000 of A "
+            f"{self.wait_s:.3f}s ({self.wait_s / self.idle_wait_s:.2f}x)"
+        )
+
+
+async def scenario(url: str, org_cap: int) -> Outcome:
+    """B alone, then B behind A's backlog."""
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.set_policy(conn, RELEASE, org_concurrency=org_cap)
     async with running_worker(url, registry, release=RELEASE, concurrency=SLOTS):
@@ -91,30 +121,24 @@ async def scenario(url: str, org_cap: int) -> tuple[float, float]:
         since = await clock(url)
         await admit(url, "b", 100)
         contended = await eventually(lambda: waits(url, "b", since), timeout=60)
-    return statistics.median(idle), statistics.median(contended)
+        a_started, b_started = await starts_while_b_waits(url, since)
+    return Outcome(statistics.median(idle), statistics.median(contended), a_started, b_started)
 
 
-async def test_a_small_org_waits_at_most_twice_its_idle_wait_behind_a_large_one(
-    url: str,
-) -> None:
-    started = time.monotonic()
-    idle, contended = await scenario(url, org_cap=SLOTS // 2)
-    print(
-        f"fair lane (cap {SLOTS // 2}): B median wait idle {idle:.3f}s, "
-        f"behind 10,000 of A {contended:.3f}s: {contended / idle:.2f}x "
-        f"({time.monotonic() - started:.1f}s)"
-    )
-    assert contended <= 2 * idle
+async def test_a_small_org_gets_its_share_of_the_slots_behind_a_large_one(url: str) -> None:
+    outcome = await scenario(url, org_cap=SLOTS // 2)
+    print(outcome.report(f"fair lane (cap {SLOTS // 2})"))
+    assert outcome.b_started == 100
+    # Each org may hold half the slots: B's share is half of the starts (A's backlog first
+    # would start all 10,000 of A before B's last run).
+    assert outcome.a_started <= 1.5 * outcome.b_started
 
 
 async def test_without_a_cap_the_interleaving_still_gives_a_small_org_its_share(
     url: str,
 ) -> None:
-    idle, contended = await scenario(url, org_cap=0)
-    print(
-        f"no cap: B median wait idle {idle:.3f}s, behind 10,000 of A {contended:.3f}s: "
-        f"{contended / idle:.2f}x"
-    )
-    # An equal share of the slots: about 2x (the share halves), never A's backlog first
-    # (10,000 runs ahead: over 60 s at this worker's pace, against well under a second).
-    assert contended <= 5 * idle
+    outcome = await scenario(url, org_cap=0)
+    print(outcome.report("no cap"))
+    assert outcome.b_started == 100
+    # An equal share of the slots: about as many of A's starts as of B's.
+    assert outcome.a_started <= 2 * outcome.b_started
