@@ -42,7 +42,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import authority, lanes, migrations, outcomes, runs, transport
-from queues.errors import WorkerError
+from queues.errors import DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
 from worker import attempt, connections, db, gateway, projector, recovery, scheduler
 from worker.config import PoolMode, pool_mode
@@ -370,48 +370,27 @@ class Worker:
 
     # ---- loops --------------------------------------------------------------------------
 
-    async def _listen(self) -> psycopg.AsyncConnection[Any]:
-        """The LISTEN session: the lanes' jobs and cancels. Always a session (a direct or
-        session-mode URL), never pooled."""
-        assert self.listen_url is not None
-        conn = await psycopg.AsyncConnection.connect(
-            self.listen_url,
-            autocommit=True,
-            **db.connect_kwargs(
-                self.listen_url,
-                mode=PoolMode.SESSION,
-                application=f"wq-listen {self.s.worker_id}",
-            ),
-        )
-        try:
-            await transport.listen(conn, self.lane_names)
-        except BaseException:
-            # Cut off, or cancelled at shutdown, before the caller owns it.
-            await conn.close()
-            raise
-        return conn
-
     async def _notify_loop(self) -> None:
-        """LISTEN for the lanes' jobs and for control messages; reconnect when cut off."""
+        """LISTEN for the lanes' jobs and for control messages; reconnect when cut off. The
+        LISTEN session is always a session (a direct or session-mode URL), never pooled."""
+        assert self.listen_url is not None
         outage = _Outage("listen", self.s.max_outage_s)
         while True:
             try:
-                conn = await self._listen()
-            except TRANSIENT as exc:
-                await outage.failed(exc)
-                continue
-            outage.ok()
-            self.wake.set()  # anything inserted while we were not listening
-            try:
-                try:
+                async with db.session(
+                    self.listen_url,
+                    mode=PoolMode.SESSION,
+                    application=f"wq-listen {self.s.worker_id}",
+                ) as conn:
+                    await transport.listen(conn, self.lane_names)
+                    outage.ok()
+                    self.wake.set()  # anything inserted while we were not listening
                     async for note in conn.notifies():
                         if note.channel == transport.CONTROL_CHANNEL:
                             self._control(note.payload)
                         else:
                             self.wake.set()
-                finally:
-                    await conn.close()  # no round trip: a cancel cannot skip it (db.session)
-            except TRANSIENT as exc:
+            except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
 
     async def _maintenance_loop(self) -> None:
