@@ -699,6 +699,10 @@ CREATE FUNCTION public.wq_events_sequence() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 BEGIN
+    IF NEW.kind = 'run_created' THEN
+        NEW.seq := 1;
+        RETURN NEW;
+    END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || NEW.run_id::text, 0));
     SELECT coalesce(max(e.seq), 0) + 1 INTO NEW.seq
       FROM wq_events e

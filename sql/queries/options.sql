@@ -7,7 +7,7 @@
 SELECT run_id, created, lane, job_id
   FROM wq_submit_with_options(%(id)s, %(org)s, %(play)s, %(params)s::jsonb, %(release)s,
                               %(lane)s, %(key)s, %(priority)s, %(authority)s,
-                              %(pages)s::jsonb[], %(count)s, %(digest)s, %(options)s::jsonb);
+                              %(pages)b::jsonb[], %(count)s, %(digest)s, %(options)s::jsonb);
 
 -- name: run_options_get :one
 -- A run's own options (NULL: its lane's), its metadata, its parent and how many children.

@@ -4,15 +4,15 @@
 -- an idempotent retry with the earlier run; it raises WQ001/WQ002/WQ003/WQ007.
 SELECT run_id, created, lane, job_id
   FROM wq_submit(%(id)s, %(org)s, %(play)s, %(params)s::jsonb, %(release)s, %(lane)s, %(key)s,
-                 %(priority)s, %(authority)s, %(pages)s::jsonb[], %(count)s, %(digest)s);
+                 %(priority)s, %(authority)s, %(pages)b::jsonb[], %(count)s, %(digest)s);
 
 -- name: run_submit_many :many
 -- Batch admission in one statement: wq_submit_many (sql/migrations/0014) admits N runs,
 -- each idempotent, in the batch's order, or refuses the whole batch (WQ001/2/3/7).
 SELECT run_id, created, lane, job_id
-  FROM wq_submit_many(%(ids)s::uuid[], %(orgs)s::text[], %(plays)s::text[],
-                      %(params)s::jsonb[], %(releases)s::text[], %(lanes)s::text[],
-                      %(keys)s::text[], %(priorities)s::int[], %(authorities)s::jsonb[]);
+  FROM wq_submit_many(%(ids)b::uuid[], %(orgs)b::text[], %(plays)b::text[],
+                      %(params)b::jsonb[], %(releases)b::text[], %(lanes)b::text[],
+                      %(keys)b::text[], %(priorities)b::int[], %(authorities)b::jsonb[]);
 
 -- name: run_claim_batch :many
 -- Take up to N due jobs of the lanes and start a new attempt on each of their runs.

@@ -62,6 +62,53 @@ async def test_a_batch_admits_every_run_with_its_job_and_event_in_order(tx: Conn
     assert row is not None and row[0] == str(admitted[0].run_id)
 
 
+async def test_values_that_text_arrays_would_escape_arrive_intact(tx: Conn) -> None:
+    """The batch's arrays go in binary: quotes, backslashes, braces, commas, NULL-looking
+    text, non-ASCII and empty strings arrive as sent, in every column."""
+    rel = release()
+    await lanes.prepare(tx, rel)
+    awkward = ['"quoted"', "back\\slash", "{braces}", "a,b", "NULL", "caf\u00e9 \u2603", ""]
+    subs = [
+        Submission(
+            play="noop",
+            params={"v": v, "nested": {"list": [v, None, 1.5]}},
+            release=rel,
+            org=f"org{i}",
+            idempotency_key=f'k"{i},{{}}\\',
+        )
+        for i, v in enumerate(awkward)
+    ]
+    admitted = await admission.submit_many(tx, subs, authority={"note": 'a "b" \\ c'})
+    cur = await tx.execute(
+        "SELECT params, org, idempotency_key, authority ->> 'note' FROM wq_runs"
+        " WHERE id = ANY(%(ids)s) ORDER BY array_position(%(ids)s, id)",
+        {"ids": [a.run_id for a in admitted]},
+    )
+    rows = await cur.fetchall()
+    assert [r[0] for r in rows] == [dict(s.params) for s in subs]
+    assert [(r[1], r[2]) for r in rows] == [(s.org, s.idempotency_key) for s in subs]
+    assert {r[3] for r in rows} == {'a "b" \\ c'}
+    again = await admission.submit_many(tx, subs)  # the keys match exactly
+    assert [a.run_id for a in again] == [a.run_id for a in admitted]
+    assert not any(a.created for a in again)
+
+
+async def test_a_runs_first_event_is_seq_1_and_cannot_be_written_twice(tx: Conn) -> None:
+    rel = release()
+    await lanes.prepare(tx, rel)
+    admitted = await admission.submit_many(tx, [Submission(play="noop", release=rel)] * 3)
+    cur = await tx.execute(
+        "SELECT kind, seq FROM wq_events WHERE run_id = ANY(%s)", ([a.run_id for a in admitted],)
+    )
+    assert sorted(await cur.fetchall()) == [("run_created", 1)] * 3
+    with pytest.raises(psycopg.errors.UniqueViolation):
+        async with tx.transaction():
+            await tx.execute(
+                "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'run_created', '{}')",
+                (admitted[0].run_id,),
+            )
+
+
 async def test_a_retried_batch_answers_with_the_same_runs(tx: Conn) -> None:
     rel = release()
     await lanes.prepare(tx, rel)
