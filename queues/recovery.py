@@ -254,11 +254,19 @@ async def rescue_expired(
     now: datetime | None = None,
     batch: int = DEFAULT_BATCH,
     rng: random.Random | None = None,
+    gone_only: bool = False,
 ) -> tuple[list[Rescued], list[str]]:
-    """Part 1: close lapsed attempts and retry, fail or cancel their runs (one batch)."""
+    """Part 1: close lapsed attempts and retry, fail or cancel their runs (one batch).
+
+    A lease has lapsed when it expired or when its owner is gone: the worker recorded a
+    liveness lock that no session holds any more (migration 0024). ``gone_only`` rescues
+    only the latter: what a live worker checks for between recovery passes
+    (:func:`rescue_gone`)."""
     async with conn.transaction():
         async with conn.cursor(row_factory=class_row(_Expired)) as cur:
-            await cur.execute(q("recovery_expired_pick"), {"now": now, "batch": batch})
+            await cur.execute(
+                q("recovery_expired_pick"), {"now": now, "batch": batch, "gone_only": gone_only}
+            )
             picked = await cur.fetchall()
         if not picked:
             return [], []
@@ -288,6 +296,16 @@ async def rescue_expired(
             )
             rescued = await cur.fetchall()
     return rescued, closed
+
+
+async def rescue_gone(
+    conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None, batch: int = DEFAULT_BATCH
+) -> list[Rescued]:
+    """Rescue the leases of workers that are gone (their session ended: killed, crashed,
+    exited), whether or not the leases have expired yet; one batch. Cheap when there is
+    nothing to do: a read of the running runs, one lock probe per owner with a key."""
+    rescued, _ = await rescue_expired(conn, now=now, batch=batch, gone_only=True)
+    return rescued
 
 
 async def respawn_orphans(

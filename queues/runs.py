@@ -455,6 +455,15 @@ async def register_worker(
     return procrastinate_id
 
 
+async def hold_liveness(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
+    """Take the worker's liveness lock on ``conn`` (an autocommit session that lives as long
+    as the worker: its LISTEN session) and record it; while the session lasts the worker
+    is not gone, and once it ends, by exit or by kill, its leases are rescued at once
+    (:func:`queues.recovery.rescue_gone`)."""
+    await conn.execute(q("worker_hold_liveness"), {"id": worker_id})
+    await conn.execute(q("worker_record_liveness"), {"id": worker_id})
+
+
 async def worker_heartbeat(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
     """Mark the worker alive: one statement, committed by the server (see heartbeat)."""
     await conn.execute(q("worker_heartbeat"), {"id": worker_id})

@@ -59,6 +59,7 @@ PREDICATES = "tests/db/test_fence_predicates.py"
 RECEIPTS = "tests/db/test_receipts.py"
 SHEETS = "tests/db/test_sheets.py"
 RECOVERY = "tests/db/test_recovery.py"
+LIVENESS = "tests/db/test_liveness.py"
 ADMISSION = "tests/db/test_admission.py"
 RECEIPT_RACES = "tests/integration/test_receipt_races.py"
 SHEET_RACES = "tests/integration/test_sheet_races.py"
@@ -449,6 +450,19 @@ swap(
     "ON CONFLICT (name) DO UPDATE\n   SET state = 'prepared', updated_at = now()\n"
     " WHERE l.state = 'reclaimed'\n",
     (ADMISSION, RECOVERY, LANE_RESUME),
+)
+
+# The rescue's own fence: it closes an attempt only while its lease has ended (expired, or
+# its owner gone: migration 0024), checked again under the row lock.
+swap(
+    "recovery_expired_apply.lapsed",
+    "sql/queries/recovery.sql",
+    "recovery_expired_apply",
+    "lease ended -> any running attempt",
+    "       AND wq_lease_lapsed(r.lease_owner, r.lease_expires_at,\n"
+    "                           coalesce(%(now)s::timestamptz, now()))\n",
+    "",
+    (RECOVERY, LIVENESS),
 )
 
 # ---- the guard plugin, written into the scratch copy ---------------------------------------

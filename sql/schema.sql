@@ -712,6 +712,16 @@ END;
 $$;
 
 --
+-- Name: wq_lease_lapsed(text, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_lease_lapsed(p_owner text, p_expires_at timestamp with time zone, p_at timestamp with time zone) RETURNS boolean
+    LANGUAGE sql
+    AS $$
+    SELECT p_expires_at < p_at OR wq_worker_gone(p_owner, p_at)
+$$;
+
+--
 -- Name: wq_limit_live_holds(text, text, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1515,6 +1525,22 @@ CREATE FUNCTION public.wq_transport_withdraw(p_job_ids bigint[]) RETURNS integer
 $$;
 
 --
+-- Name: wq_worker_gone(text, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_worker_gone(p_owner text, p_at timestamp with time zone) RETURNS boolean
+    LANGUAGE sql
+    AS $$
+    SELECT coalesce((SELECT pg_try_advisory_xact_lock_shared(w.liveness_key)
+                       FROM wq_workers w
+                      WHERE w.id = p_owner
+                        AND w.liveness_key IS NOT NULL
+                        AND w.heartbeat_at < p_at - interval '10 seconds'
+                        AND w.heartbeat_at > pg_postmaster_start_time()),
+                    false)
+$$;
+
+--
 -- Name: procrastinate_events; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -2051,7 +2077,8 @@ CREATE TABLE public.wq_workers (
     procrastinate_id bigint,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
-    stopped_at timestamp with time zone
+    stopped_at timestamp with time zone,
+    liveness_key bigint
 );
 
 --

@@ -37,6 +37,7 @@ async def running_worker(
     concurrency: int = 8,
     grace_s: float = 2.0,
     token_secret: bytes | None = None,
+    prefetch: int = 0,
 ) -> AsyncIterator[Worker]:
     """A worker consuming ``release``'s lane in this event loop until the block ends."""
     worker = Worker(
@@ -48,6 +49,7 @@ async def running_worker(
             grace_s=grace_s,
             install_signals=False,
             token_secret=token_secret,
+            prefetch=prefetch,
         )
     )
     serving = asyncio.create_task(worker.run())

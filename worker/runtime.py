@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import authority, lanes, migrations, outcomes, runs, transport
+from queues import recovery as passes
 from queues.errors import DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
 from worker import attempt, connections, db, gateway, projector, recovery, scheduler
@@ -56,6 +58,7 @@ log = structlog.get_logger("worker.runtime")
 
 POLL_INTERVAL_S = 1.0
 CLAIM_BATCH_MAX = 64
+PREFETCH_MAX = 1000  # runs claimed ahead: leased while they wait, so bounded
 HEARTBEAT_MAX_PERIOD_S = 2.0
 
 
@@ -80,6 +83,11 @@ class Settings:
     listen_url: str | None = None
     pool_mode: PoolMode | None = None  # None: WORKER_POOL_MODE (default session)
     poll_s: float = POLL_INTERVAL_S
+    # The high-throughput mode: runs claimed ahead into a local queue beyond the free
+    # slots (0: claim only for free slots). A freed slot starts the next run at once, and
+    # the next claim overlaps the running attempts and their final writes. A run claimed
+    # ahead is leased (and renewed) from its claim, so its timeout counts from then.
+    prefetch: int = 0
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     )
@@ -140,9 +148,17 @@ class _Live:
 
 class Worker:
     def __init__(self, settings: Settings) -> None:
+        if not 0 <= settings.prefetch <= PREFETCH_MAX:
+            raise WorkerError(
+                f"prefetch {settings.prefetch} is out of range",
+                field="prefetch",
+                rule=f"from 0 (claim only for free slots) to {PREFETCH_MAX} runs claimed ahead",
+                fix="pass 0 for long runs, a few times the concurrency for short ones",
+            )
         self.s = settings
         self.lane_names = [lanes.lane_name(r) for r in (settings.release, *settings.adopt)]
         self.live: dict[uuid.UUID, _Live] = {}
+        self.ahead: deque[runs.Claimed] = deque()  # claimed ahead, not started (prefetch)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
@@ -286,6 +302,7 @@ class Worker:
             asyncio.create_task(self._claim_loop(), name="claim"),
             asyncio.create_task(self._finish_loop(), name="finish"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
+            asyncio.create_task(self._peers_loop(), name="peers"),
             asyncio.create_task(scheduler.run(self), name="schedules"),
             projector.start(
                 self.s.url,
@@ -348,6 +365,7 @@ class Worker:
     async def _drain(self) -> None:
         """Let running attempts finish within the grace period, then hand the rest back."""
         deadline = time.monotonic() + self.s.grace_s
+        await self._hand_back_ahead()
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for live in list(self.live.values()):
@@ -383,6 +401,9 @@ class Worker:
                     application=f"wq-listen {self.s.worker_id}",
                 ) as conn:
                     await transport.listen(conn, self.lane_names)
+                    # This session is the worker's life: while it lasts the worker is not
+                    # gone; when it ends its leases are rescued within seconds (_peers_loop).
+                    await runs.hold_liveness(conn, self.s.worker_id)
                     outage.ok()
                     self.wake.set()  # anything inserted while we were not listening
                     async for note in conn.notifies():
@@ -392,6 +413,33 @@ class Worker:
                             self.wake.set()
             except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
+
+    async def _peers_loop(self) -> None:
+        """Between recovery passes, every heartbeat period: rescue the leases of workers
+        that are gone (their session ended), so a killed worker's runs, and the runs it
+        claimed ahead, go back to their lanes within seconds instead of when their leases
+        lapse and a recovery pass comes (queues.recovery.rescue_gone)."""
+        assert self.pool is not None and self.lane is not None
+        period = min(self.lane.heartbeat_s, HEARTBEAT_MAX_PERIOD_S)
+        while not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), period)
+            if self.stopping.is_set():
+                return
+            try:
+                async with self.pool.connection() as conn:
+                    rescued = await passes.rescue_gone(conn)
+            except TRANSIENT:
+                continue  # the claim and finish loops account for outages
+            for r in rescued:
+                log.warning(
+                    "lease_rescued_owner_gone",
+                    run_id=str(r.run_id),
+                    attempt=r.attempt,
+                    next_state=r.state,
+                )
+            if rescued:
+                self.wake.set()
 
     async def _maintenance_loop(self) -> None:
         """Serve the recovery pass as procrastinate's periodic task (one per tick however
@@ -430,8 +478,8 @@ class Worker:
         plays = sorted(self.s.registry.names())
         outage = _Outage("claim", self.s.max_outage_s)
         while not self.stopping.is_set():
-            free = self.s.concurrency - len(self.live)
-            if free <= 0:
+            want = self._claim_room()
+            if want <= 0:
                 self.capacity.clear()
                 await self.capacity.wait()
                 continue
@@ -442,7 +490,7 @@ class Worker:
                         conn,
                         lanes=self.lane_names,
                         worker_id=self.s.worker_id,
-                        limit=min(free, CLAIM_BATCH_MAX),
+                        limit=want,
                         plays=plays,
                         procrastinate_worker=self.procrastinate_id,
                     )
@@ -453,14 +501,51 @@ class Worker:
             got = 0
             for c in claimed:
                 if c.claimed:
-                    self._start(c)
+                    assert self.heartbeat is not None and c.attempt is not None
+                    self.heartbeat.track(c.run_id, c.attempt)  # leased from its claim
+                    self.ahead.append(c)
                     got += 1
                 else:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
-            if got < min(free, CLAIM_BATCH_MAX) and not self.stopping.is_set():
+            self._fill()
+            if got < want and not self.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
+
+    def _claim_room(self) -> int:
+        """How many runs the next claim asks for (0: none is due). Enough for the free
+        slots; with ``prefetch``, also the local queue's room, topped up in batches once it
+        is down to half (not one claim per finished run)."""
+        assert self.s.concurrency is not None
+        free = self.s.concurrency - len(self.live)
+        queued = len(self.ahead)
+        prefetch = self.s.prefetch
+        if free > queued or (prefetch and queued <= prefetch // 2):
+            return min(free + prefetch - queued, CLAIM_BATCH_MAX)
+        return 0
+
+    def _fill(self) -> None:
+        """Start runs claimed ahead while slots are free; once stopping, none (they are
+        handed back)."""
+        assert self.s.concurrency is not None
+        while self.ahead and not self.stopping.is_set() and len(self.live) < self.s.concurrency:
+            self._start(self.ahead.popleft())
+
+    async def _hand_back_ahead(self) -> None:
+        """Runs claimed ahead and never started go back to their lanes at once, in one
+        batched fenced write (a hand-back spends no retry)."""
+        ahead, self.ahead = list(self.ahead), deque()
+        if not ahead:
+            return
+        assert self.heartbeat is not None
+        for c in ahead:
+            self.heartbeat.untrack(c.run_id)
+        log.info("claimed_ahead_handed_back", count=len(ahead))
+        await asyncio.gather(
+            *(self._submit_finish(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead),
+            return_exceptions=True,
+        )
 
     def _start(self, c: runs.Claimed) -> None:
         assert self.pool is not None and self.heartbeat is not None
@@ -550,6 +635,7 @@ class Worker:
                 live = self.live.pop(c.run_id, None)
                 if live is not None and live.timer is not None:
                     live.timer.cancel()
+                self._fill()  # the next run claimed ahead takes the slot at once
                 self.capacity.set()
             # A slot is free: claim again now, not at the next poll (a claim that came back
             # short because an org was at its cap, wq_lanes.org_concurrency, may now fill).
@@ -677,6 +763,11 @@ class Worker:
 
     def _on_beat(self, beat: Beat) -> None:
         kept = {r.run_id: r for r in beat.renewed}
+        lapsed_ahead = {run_id for run_id, attempt_no in beat.sent if run_id not in kept} & {
+            c.run_id for c in self.ahead
+        }
+        if lapsed_ahead:
+            self._drop_ahead(lapsed_ahead)
         for run_id, attempt_no in beat.sent:
             live = self.live.get(run_id)
             if live is None or live.claimed.attempt != attempt_no:
@@ -690,7 +781,16 @@ class Worker:
     def _on_silence(self, silent_s: float) -> None:
         # The watchdog: without renewals past the TTL our leases are gone.
         log.warning("heartbeat_silent_past_ttl", silent_s=round(silent_s, 1))
+        self._drop_ahead({c.run_id for c in self.ahead})
         self._lose(self.live.values())
+
+    def _drop_ahead(self, run_ids: set[uuid.UUID]) -> None:
+        """Forget runs claimed ahead whose lease is gone: another attempt owns them now."""
+        for c in [c for c in self.ahead if c.run_id in run_ids]:
+            self.ahead.remove(c)
+            if self.heartbeat is not None:
+                self.heartbeat.untrack(c.run_id)
+            log.warning("lease_lost", run_id=str(c.run_id), attempt=c.attempt, started=False)
 
     def _lose(self, lost: Iterable[_Live]) -> None:
         for live in list(lost):

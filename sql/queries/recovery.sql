@@ -19,7 +19,9 @@
 -- changed between the pick and the apply is left alone (each rescue happens once).
 
 -- name: recovery_expired_pick :many
--- Lock a batch of running runs whose lease lapsed, with their lane's retry policy.
+-- Lock a batch of running runs whose lease ended (it expired, or its owner is gone:
+-- migration 0024), with their lane's retry policy. %(gone_only)s: only those whose owner is
+-- gone (a worker's check of its peers between recovery passes).
 -- `failures` counts this lapse and the run's earlier failed or lapsed attempts: only those
 -- spend the retry budget (a sleep's wake or a hand-back is an attempt but not a failure).
 SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expires_at,
@@ -36,13 +38,23 @@ SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expi
   FROM wq_runs r
   JOIN wq_lanes l ON l.name = r.lane
  WHERE r.state = 'running'
-   AND r.lease_expires_at < coalesce(%(now)s::timestamptz, now())
+   AND CASE WHEN %(gone_only)s::boolean
+            -- One probe per owner of a running run, not one per run.
+            THEN r.lease_owner IN (SELECT o.owner
+                                     FROM (SELECT DISTINCT x.lease_owner AS owner
+                                             FROM wq_runs x
+                                            WHERE x.state = 'running') o
+                                    WHERE wq_worker_gone(o.owner,
+                                                         coalesce(%(now)s::timestamptz, now())))
+            ELSE wq_lease_lapsed(r.lease_owner, r.lease_expires_at,
+                                 coalesce(%(now)s::timestamptz, now())) END
  ORDER BY r.lease_expires_at
  LIMIT %(batch)s
    FOR UPDATE OF r SKIP LOCKED;
 
 -- name: recovery_expired_apply :many
--- Close lapsed attempts as lease_expired; retry (new job), fail or cancel their runs.
+-- Close lapsed attempts as lease_expired; retry (new job), fail or cancel their runs. The
+-- fence is the pick's rule (wq_lease_lapsed), checked again under the row lock.
 -- The attempt number is not bumped: the run leaves 'running' and drops its lease, which
 -- already refuses the dead attempt's heartbeats and writes; the next claim bumps it.
 WITH input AS (
@@ -61,7 +73,8 @@ WITH input AS (
       JOIN input i ON i.run_id = r.id
      WHERE r.attempt = i.attempt
        AND r.state = 'running'
-       AND r.lease_expires_at < coalesce(%(now)s::timestamptz, now())
+       AND wq_lease_lapsed(r.lease_owner, r.lease_expires_at,
+                           coalesce(%(now)s::timestamptz, now()))
        FOR UPDATE OF r
 ), runs AS (
     UPDATE wq_runs r

@@ -423,6 +423,18 @@ WITH w AS (
 )
 SELECT wq_transport_beat(w.procrastinate_id) FROM w;
 
+-- name: worker_hold_liveness :exec
+-- Take the worker's liveness lock on this session; it waits while a recovery pass holds
+-- the key's shared probe. Idempotent: a reconnected session takes the lock again.
+SELECT pg_advisory_lock(hashtextextended('wq_worker:' || %(id)s, 0));
+
+-- name: worker_record_liveness :exec
+-- Record the key of the lock this session holds (after worker_hold_liveness): a recorded
+-- key whose lock nobody holds names a worker that is gone (migration 0024).
+UPDATE wq_workers
+   SET liveness_key = hashtextextended('wq_worker:' || %(id)s, 0)
+ WHERE id = %(id)s;
+
 -- name: worker_stop :exec
 -- Mark a worker stopped.
 UPDATE wq_workers SET stopped_at = now() WHERE id = %(id)s;

@@ -98,6 +98,16 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
 )
 @click.option("--adopt", multiple=True, help="Also consume this release's lane (repeatable).")
 @click.option(
+    "--prefetch",
+    type=click.IntRange(0, runtime.PREFETCH_MAX),
+    default=0,
+    show_default=True,
+    envvar="WORKER_PREFETCH",
+    help="The high-throughput mode: claim up to N runs ahead into a local queue beyond "
+    "the free slots ($WORKER_PREFETCH). For short runs: a run claimed ahead is leased, "
+    "and its timeout counts, from its claim. README: throughput.",
+)
+@click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -156,6 +166,7 @@ def start(
     app: str | None,
     concurrency: int | None,
     adopt: tuple[str, ...],
+    prefetch: int,
     ready_file: Path | None,
     max_outage: float,
     grace: float,
@@ -201,6 +212,7 @@ def start(
         max_connections=max_connections,
         listen_url=listen,
         pool_mode=mode,
+        prefetch=prefetch,
     )
     # The worker has its URL: its plays inherit no database credentials from it.
     config.scrub_worker_urls()

@@ -1,0 +1,252 @@
+"""Claiming ahead (``prefetch``) and worker liveness, with real worker processes.
+
+A worker with ``--prefetch N`` claims up to N runs beyond its free slots into a local
+queue: each is leased from its claim, so a worker killed with runs claimed ahead must not
+leave them until their leases lapse. Its LISTEN session holds its liveness lock (migration
+0024); once the session is gone and the worker has been silent for 10 s, any live
+worker's peer check (every heartbeat period) rescues its leases. The lanes here have a
+300 s lease, so a rescue inside the test's deadlines cannot be the lease's.
+
+The paused-worker test is the zombie test of this path: a SIGSTOPped worker keeps its
+session and its lock, so however long it is silent, nobody rescues its runs, and after
+SIGCONT it finishes them itself, each in its first attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from queues import lanes
+from tests.apps.prefetch import STARTS_DDL, registry
+from tests.workers import eventually, fetch, running_worker, submit
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = str(Path(sys.executable).parent / "worker")
+LONG_LEASE_S = 300.0
+
+
+async def prepare(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(STARTS_DDL)
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", lease_ttl_s=LONG_LEASE_S, heartbeat_s=1.0)
+
+
+def start_worker(
+    url: str, tmp_path: Path, *, concurrency: int, prefetch: int
+) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, WORKER_DATABASE_URL=url, PREFETCH_DB_URL=url, PYTHONPATH=str(ROOT))
+    with open(tmp_path / "worker-a.log", "wb") as log:  # the process keeps its own copy
+        return subprocess.Popen(
+            [
+                WORKER,
+                "start",
+                "--release",
+                "t",
+                "--app",
+                "tests.apps.prefetch:registry",
+                "--concurrency",
+                str(concurrency),
+                "--prefetch",
+                str(prefetch),
+            ],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def submit_held(url: str, n: int, hold_s: float) -> list[uuid.UUID]:
+    return [await submit(url, "held", {"hold_s": hold_s, "i": i}) for i in range(n)]
+
+
+async def owners(url: str, run_ids: list[uuid.UUID]) -> dict[str, int]:
+    """Running runs of ``run_ids`` per lease owner (attempt 1 only)."""
+    rows = await fetch(
+        url,
+        "SELECT lease_owner, count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'running'"
+        " AND attempt = 1 GROUP BY lease_owner",
+        (run_ids,),
+    )
+    return {str(owner): int(n) for owner, n in rows}
+
+
+async def starts(url: str) -> list[tuple[uuid.UUID, int, int]]:
+    rows = await fetch(url, "SELECT run_id, attempt, pid FROM test_prefetch_starts")
+    return [(r[0], int(r[1]), int(r[2])) for r in rows]
+
+
+async def claimed_by_one_worker(url: str, run_ids: list[uuid.UUID], started: int) -> str:
+    """Wait until one worker holds every run (``started`` of them running, the rest ahead);
+    returns its id."""
+
+    async def all_claimed() -> str | None:
+        held = await owners(url, run_ids)
+        whole = len(held) == 1 and sum(held.values()) == len(run_ids)
+        if whole and len(await starts(url)) == started:
+            return next(iter(held))
+        return None
+
+    return await eventually(all_claimed, timeout=30)
+
+
+async def test_runs_claimed_ahead_by_a_killed_worker_are_rescued_within_seconds(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    await prepare(db_url)
+    run_ids = await submit_held(db_url, 12, hold_s=600)
+    a = start_worker(db_url, tmp_path, concurrency=2, prefetch=10)
+    try:
+        owner = await claimed_by_one_worker(db_url, run_ids, started=2)
+        ((key,),) = await fetch(
+            db_url, "SELECT liveness_key FROM wq_workers WHERE id = %s", (owner,)
+        )
+        assert key is not None  # A holds its liveness lock
+    finally:
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+    # Ten runs A claimed ahead never started; two did.
+    assert sorted(attempt for _, attempt, _ in await starts(db_url)) == [1, 1]
+
+    async with running_worker(db_url, registry, release="t", concurrency=12):
+
+        async def all_succeeded() -> bool:
+            rows = await fetch(
+                db_url,
+                "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+                (run_ids,),
+            )
+            return rows[0][0] == len(run_ids)
+
+        # Within a minute of the kill, on 300 s leases: the owner was gone, not its lease.
+        await eventually(all_succeeded, timeout=60)
+
+    attempts = await fetch(
+        db_url,
+        "SELECT run_id, attempt, worker_id, outcome::text, finished_at,"
+        " (error ->> 'lease_expires_at')::timestamptz FROM wq_attempts WHERE run_id = ANY(%s)",
+        (run_ids,),
+    )
+    first = [a for a in attempts if a[1] == 1]
+    second = [a for a in attempts if a[1] == 2]
+    assert len(first) == len(second) == 12
+    assert {(a[2], a[3]) for a in first} == {(owner, "lease_expired")}
+    assert all(a[4] < a[5] for a in first)  # closed while its lease was still valid
+    assert {a[3] for a in second} == {"succeeded"}
+    assert owner not in {a[2] for a in second}
+    # Every run started its second attempt here; none ran twice in attempt 2.
+    in_b = [s for s in await starts(db_url) if s[1] == 2]
+    assert sorted(s[0] for s in in_b) == sorted(run_ids)
+    assert {s[2] for s in in_b} == {os.getpid()}
+
+
+async def test_a_paused_worker_keeps_its_runs_however_long_it_is_silent(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    await prepare(db_url)
+    run_ids = await submit_held(db_url, 6, hold_s=2)
+    a = start_worker(db_url, tmp_path, concurrency=2, prefetch=4)
+    try:
+        owner = await claimed_by_one_worker(db_url, run_ids, started=2)
+        a.send_signal(signal.SIGSTOP)
+        async with running_worker(db_url, registry, release="t", concurrency=6):
+
+            async def silent_past_gone() -> bool:
+                rows = await fetch(
+                    db_url,
+                    "SELECT heartbeat_at < now() - interval '13 seconds'"
+                    " FROM wq_workers WHERE id = %s",
+                    (owner,),
+                )
+                return bool(rows[0][0])
+
+            # Silent past the 10 s a gone worker needs, and three peer checks later: A's
+            # session (and lock) lives, so its runs are still its own.
+            await eventually(silent_past_gone, timeout=40, interval=0.5)
+            assert await owners(db_url, run_ids) == {owner: 6}
+            a.send_signal(signal.SIGCONT)
+
+            async def all_succeeded() -> bool:
+                rows = await fetch(
+                    db_url,
+                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+                    (run_ids,),
+                )
+                return rows[0][0] == len(run_ids)
+
+            await eventually(all_succeeded, timeout=60)
+    finally:
+        a.send_signal(signal.SIGCONT)
+        a.send_signal(signal.SIGTERM)
+        a.wait(timeout=30)
+    attempts = await fetch(
+        db_url,
+        "SELECT attempt, worker_id, outcome::text FROM wq_attempts WHERE run_id = ANY(%s)",
+        (run_ids,),
+    )
+    assert sorted(attempts) == [(1, owner, "succeeded")] * 6
+    assert {pid for _, _, pid in await starts(db_url)} == {a.pid}
+
+
+async def test_a_stopping_worker_hands_back_the_runs_it_claimed_ahead(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    await prepare(db_url)
+    run_ids = await submit_held(db_url, 5, hold_s=600)
+    async with running_worker(
+        db_url, registry, release="t", concurrency=1, prefetch=4, grace_s=0.5
+    ) as worker:
+
+        async def claimed_all() -> bool:
+            return sum((await owners(db_url, run_ids)).values()) == 5
+
+        await eventually(claimed_all)
+        assert len(worker.ahead) == 4 and len(worker.live) == 1
+    rows = await fetch(
+        db_url,
+        "SELECT r.state::text, r.attempt, a.outcome::text, r.job_id IS NOT NULL"
+        " FROM wq_runs r JOIN wq_attempts a ON a.run_id = r.id WHERE r.id = ANY(%s)",
+        (run_ids,),
+    )
+    # All five are back in their lane with a new job; a hand-back spends no retry.
+    assert sorted(rows) == [("queued", 1, "handed_back", True)] * 5
+    assert len(await starts(db_url)) == 1  # only the running one ever started
+
+
+async def test_a_prefetching_worker_drains_every_run_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    await prepare(db_url)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        from queues import admission
+
+        await admission.submit_many(
+            conn,
+            [admission.Submission(play="held", params={"i": i}, release="t") for i in range(300)],
+        )
+    async with running_worker(db_url, registry, release="t", concurrency=4, prefetch=16):
+
+        async def drained() -> bool:
+            rows = await fetch(db_url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
+            return rows[0][0] == 300
+
+        await eventually(drained, timeout=60)
+    rows: list[Any] = await fetch(
+        db_url, "SELECT count(*), count(DISTINCT run_id), max(attempt) FROM wq_attempts"
+    )
+    assert rows == [(300, 300, 1)]
+    assert len(await starts(db_url)) == 300
