@@ -16,9 +16,8 @@ the ratio ours / baseline:
   to the last finish. Ours: ``worker.runtime.Worker``; procrastinate: its worker (LISTEN,
   jobs kept); Absurd: ``AsyncAbsurd.start_worker``; Graphile Worker: ``run()``.
 - **drain, tuned**: each system's own high-throughput settings, where it has them
-  (Graphile Worker: a local queue of 500 and batched completion). Ours has no such mode
-  (its claim is already batched up to its free slots, and so is its finish): the row says
-  so.
+  (Graphile Worker: a local queue of 500 and batched completion; ours: ``prefetch``, runs
+  claimed ahead into a local queue, ``--tuned-prefetch``, with its batched finish).
 - **pickup latency**: an idle worker; single submits ``--spacing`` ms apart; latency is
   from the submit call's return to the task's start, both on this process's clock (each
   system's submitter and worker share a process).
@@ -193,7 +192,7 @@ class Ours:
         # Keep history (as a user would): only wait for nothing to be queued.
         return None
 
-    def _worker(self, concurrency: int) -> Worker:
+    def _worker(self, concurrency: int, prefetch: int = 0) -> Worker:
         settings = Settings(
             url=self.url,
             release=RELEASE,
@@ -201,6 +200,7 @@ class Ours:
             concurrency=concurrency,
             grace_s=5.0,
             install_signals=False,
+            prefetch=prefetch,
         )
         return Worker(settings)
 
@@ -212,7 +212,7 @@ class Ours:
             await scalar(self.conn, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
         )
         self.marks.reset()
-        worker = self._worker(concurrency)
+        worker = self._worker(concurrency, self.args.tuned_prefetch if tuned else 0)
         task = asyncio.create_task(worker.run())
         try:
             end = await drained_at(
@@ -675,7 +675,7 @@ async def run_group(system: Any, group: str, args: argparse.Namespace) -> dict[s
             await phase(
                 "drain_analyzed", lambda: _rate(system.drain(n, c, analyze=True, tuned=False), n)
             )
-            if system.name == "graphile":
+            if system.name in ("graphile", "ours"):
                 await phase(
                     "drain_tuned",
                     lambda: _rate(
@@ -804,6 +804,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--tuned-runs", type=int, default=20000)
+    p.add_argument("--tuned-prefetch", type=int, default=100)
     p.add_argument("--latency-samples", type=int, default=200)
     p.add_argument("--spacing-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=5000)

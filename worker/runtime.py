@@ -324,6 +324,7 @@ class Worker:
             lanes=self.lane_names,
             release=self.s.release,
             concurrency=self.s.concurrency,
+            prefetch=self.s.prefetch,
             connections=self.budget.as_dict(),
             pool_mode=str(self.mode),
             wakeups="listen" if listening else f"poll every {self.s.poll_s:g}s",

@@ -793,7 +793,8 @@ class FenceModel(RuleBasedStateMachine):
         picked: set[uuid.UUID] = set()
         async with self.db.transaction(force_rollback=True):
             for name in ("recovery_expired_pick", "recovery_orphans_pick"):
-                cur = await self.db.execute(q(name), {"now": now, "batch": 1000})
+                args = {"now": now, "batch": 1000, "gone_only": False}
+                cur = await self.db.execute(q(name), args)
                 picked |= {row[0] for row in await cur.fetchall()}
         stranded = {s.lane for s in await recovery.find_stranded(self.db, now=now, after_s=0)}
         for run_id, state, lane, owner, expires, wake, event, cancel, job, status in rows:
