@@ -804,7 +804,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=10)
     p.add_argument("--tuned-runs", type=int, default=20000)
-    p.add_argument("--tuned-prefetch", type=int, default=100)
+    p.add_argument("--tuned-prefetch", type=int, default=300)
     p.add_argument("--latency-samples", type=int, default=200)
     p.add_argument("--spacing-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=5000)

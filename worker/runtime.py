@@ -85,8 +85,10 @@ class Settings:
     poll_s: float = POLL_INTERVAL_S
     # The high-throughput mode: runs claimed ahead into a local queue beyond the free
     # slots (0: claim only for free slots). A freed slot starts the next run at once, and
-    # the next claim overlaps the running attempts and their final writes. A run claimed
-    # ahead is leased (and renewed) from its claim, so its timeout counts from then.
+    # the next claim overlaps the running attempts and their final writes; a slot is freed
+    # when its play returns (batched completion), not when its final write is answered. A
+    # run claimed ahead is leased (and renewed) from its claim, so its timeout counts
+    # from then.
     prefetch: int = 0
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -519,7 +521,7 @@ class Worker:
         slots; with ``prefetch``, also the local queue's room, topped up in batches once it
         is down to half (not one claim per finished run)."""
         assert self.s.concurrency is not None
-        free = self.s.concurrency - len(self.live)
+        free = self.s.concurrency - self._slots_taken()
         queued = len(self.ahead)
         prefetch = self.s.prefetch
         if free > queued or (prefetch and queued <= prefetch // 2):
@@ -530,8 +532,17 @@ class Worker:
         """Start runs claimed ahead while slots are free; once stopping, none (they are
         handed back)."""
         assert self.s.concurrency is not None
-        while self.ahead and not self.stopping.is_set() and len(self.live) < self.s.concurrency:
+        while (
+            self.ahead and not self.stopping.is_set() and self._slots_taken() < self.s.concurrency
+        ):
             self._start(self.ahead.popleft())
+
+    def _slots_taken(self) -> int:
+        """Attempts holding a slot: every live one, or with ``prefetch`` (batched
+        completion) those whose play has not returned yet."""
+        if not self.s.prefetch:
+            return len(self.live)
+        return sum(1 for live in self.live.values() if not live.finishing)
 
     async def _hand_back_ahead(self) -> None:
         """Runs claimed ahead and never started go back to their lanes at once, in one
@@ -610,7 +621,7 @@ class Worker:
         """One attempt; whatever happens, its slot and its connection are freed and the
         worker can drain."""
         try:
-            await self._attempt(c, ctx)
+            await self._attempt(c, ctx, transport)
         except asyncio.CancelledError:
             # Stopped while its cleanup hooks ran (its lease was lost): nothing is written.
             log.warning(
@@ -646,7 +657,7 @@ class Worker:
         live = self.live.get(run_id)
         return live.stop_reason if live is not None else "handback"
 
-    async def _attempt(self, c: runs.Claimed, ctx: RunContext) -> None:
+    async def _attempt(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
         structlog.contextvars.bind_contextvars(run_id=str(c.run_id), attempt=c.attempt, lane=c.lane)
         started = time.perf_counter()
         play = self.s.registry.get(c.play or "")
@@ -657,6 +668,13 @@ class Worker:
         live = self.live.get(c.run_id)
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
+            if self.s.prefetch:
+                # Batched completion: the play has returned, so its slot is free; its
+                # final write goes out with the finish loop's next batch, and its held
+                # connection goes back to the pool first.
+                await transport.aclose()
+                self._fill()
+                self.capacity.set()
         final = ended.finish
         status: FinishStatus | None = None
         if final is not None:

@@ -4,6 +4,9 @@
 ``test_prefetch_starts``: run, attempt, worker process) through a connection of its own,
 then, in attempt 1, waits ``params["hold_s"]`` seconds; a later attempt returns at once.
 So the test knows which runs a worker really started and which it only claimed ahead.
+
+``counted`` (in-process workers only) counts the plays executing at once in
+:data:`EXECUTING`: a slot is held from a play's start until it returns.
 """
 
 from __future__ import annotations
@@ -41,3 +44,16 @@ async def held(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     if ctx.info.attempt == 1:
         await asyncio.sleep(float(params.get("hold_s", 0)))
     return {"attempt": ctx.info.attempt}
+
+
+EXECUTING = {"now": 0, "max": 0}
+
+
+@registry.play("counted")
+async def counted(ctx: RunContext, params: dict[str, Any]) -> None:
+    EXECUTING["now"] += 1
+    EXECUTING["max"] = max(EXECUTING["max"], EXECUTING["now"])
+    try:
+        await asyncio.sleep(float(params.get("sleep_s", 0.005)))
+    finally:
+        EXECUTING["now"] -= 1

@@ -26,7 +26,7 @@ import psycopg
 import pytest
 
 from queues import lanes
-from tests.apps.prefetch import STARTS_DDL, registry
+from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
 from tests.workers import eventually, fetch, running_worker, submit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,3 +250,32 @@ async def test_a_prefetching_worker_drains_every_run_once(
     )
     assert rows == [(300, 300, 1)]
     assert len(await starts(db_url)) == 300
+
+
+async def test_with_batched_completion_at_most_concurrency_plays_execute_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot is freed when its play returns (its final write goes out with the next
+    batch), so more attempts than slots may be finishing, but never more plays than slots
+    execute at once."""
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    monkeypatch.setitem(EXECUTING, "max", 0)
+    await prepare(db_url)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        from queues import admission
+
+        await admission.submit_many(
+            conn,
+            [
+                admission.Submission(play="counted", params={"i": i}, release="t")
+                for i in range(120)
+            ],
+        )
+    async with running_worker(db_url, registry, release="t", concurrency=3, prefetch=12):
+
+        async def drained() -> bool:
+            rows = await fetch(db_url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
+            return rows[0][0] == 120
+
+        await eventually(drained, timeout=60)
+    assert EXECUTING["max"] == 3
