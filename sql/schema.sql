@@ -1292,6 +1292,7 @@ CREATE FUNCTION public.wq_transport_take(p_lanes text[], p_limit integer, p_work
     LANGUAGE plpgsql ROWS 16
     SET plan_cache_mode TO 'force_generic_plan'
     SET enable_sort TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $_$
 #variable_conflict use_column
 DECLARE
@@ -1381,6 +1382,7 @@ CREATE FUNCTION public.wq_transport_take_fair(p_lanes text[], p_limit integer, p
     SET enable_hashjoin TO 'off'
     SET enable_mergejoin TO 'off'
     SET enable_material TO 'off'
+    SET enable_incremental_sort TO 'off'
     AS $_$
 #variable_conflict use_column
 DECLARE
