@@ -86,6 +86,16 @@ async def starts(url: str) -> list[tuple[uuid.UUID, int, int]]:
     return [(r[0], int(r[1]), int(r[2])) for r in rows]
 
 
+async def wait_succeeded(url: str, n: int) -> None:
+    """Wait until ``n`` runs (every run of the test's database) have succeeded."""
+
+    async def done() -> bool:
+        rows = await fetch(url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
+        return rows[0][0] == n
+
+    await eventually(done, timeout=60)
+
+
 async def claimed_by_one_worker(url: str, run_ids: list[uuid.UUID], started: int) -> str:
     """Wait until one worker holds every run (``started`` of them running, the rest ahead);
     returns its id."""
@@ -120,17 +130,8 @@ async def test_runs_claimed_ahead_by_a_killed_worker_are_rescued_within_seconds(
     assert sorted(attempt for _, attempt, _ in await starts(db_url)) == [1, 1]
 
     async with running_worker(db_url, registry, release="t", concurrency=12):
-
-        async def all_succeeded() -> bool:
-            rows = await fetch(
-                db_url,
-                "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
-                (run_ids,),
-            )
-            return rows[0][0] == len(run_ids)
-
         # Within a minute of the kill, on 300 s leases: the owner was gone, not its lease.
-        await eventually(all_succeeded, timeout=60)
+        await wait_succeeded(db_url, len(run_ids))
 
     attempts = await fetch(
         db_url,
@@ -178,15 +179,7 @@ async def test_a_paused_worker_keeps_its_runs_however_long_it_is_silent(
             assert await owners(db_url, run_ids) == {owner: 6}
             a.send_signal(signal.SIGCONT)
 
-            async def all_succeeded() -> bool:
-                rows = await fetch(
-                    db_url,
-                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
-                    (run_ids,),
-                )
-                return rows[0][0] == len(run_ids)
-
-            await eventually(all_succeeded, timeout=60)
+            await wait_succeeded(db_url, len(run_ids))
     finally:
         a.send_signal(signal.SIGCONT)
         a.send_signal(signal.SIGTERM)
@@ -239,12 +232,7 @@ async def test_a_prefetching_worker_drains_every_run_once(
             [admission.Submission(play="held", params={"i": i}, release="t") for i in range(300)],
         )
     async with running_worker(db_url, registry, release="t", concurrency=4, prefetch=16):
-
-        async def drained() -> bool:
-            rows = await fetch(db_url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
-            return rows[0][0] == 300
-
-        await eventually(drained, timeout=60)
+        await wait_succeeded(db_url, 300)
     rows: list[Any] = await fetch(
         db_url, "SELECT count(*), count(DISTINCT run_id), max(attempt) FROM wq_attempts"
     )
@@ -272,10 +260,5 @@ async def test_with_batched_completion_at_most_concurrency_plays_execute_at_once
             ],
         )
     async with running_worker(db_url, registry, release="t", concurrency=3, prefetch=12):
-
-        async def drained() -> bool:
-            rows = await fetch(db_url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
-            return rows[0][0] == 120
-
-        await eventually(drained, timeout=60)
+        await wait_succeeded(db_url, 120)
     assert EXECUTING["max"] == 3
