@@ -234,12 +234,19 @@ def stop(home: Path | None = None, *, mode: Literal["smart", "fast", "immediate"
                     f"Stop it by hand with: kill -INT {live.pid}",
                     code="EMBEDDED_STOP_FAILED",
                 )
+            # pg_ctl -w returns once the pid file is gone, which the postmaster removes
+            # on its way out: stopped means the process is gone too.
+            _await_exit(datadir, live.pid, mode)
     log.info("embedded_postgres_stopped", datadir=str(datadir), pid=live.pid, mode=mode)
     return True
 
 
 def _signal_stop(datadir: Path, pid: int, mode: str) -> None:
     os.kill(pid, _STOP_SIGNALS[mode])
+    _await_exit(datadir, pid, mode)
+
+
+def _await_exit(datadir: Path, pid: int, mode: str) -> None:
     end = time.monotonic() + 90
     while postmaster.is_postmaster(pid, datadir):
         if time.monotonic() >= end:
