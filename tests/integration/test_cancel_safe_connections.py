@@ -64,7 +64,9 @@ async def test_a_projector_stopped_and_cancelled_at_once_closes_both_connections
     task = projector.start(db_url, stop, owner=owner, listen=False)
 
     async def both_connected() -> bool:
-        return await _open(db_url, f"wq-projector {owner}") == 2
+        # Both connects returned: the server lists a backend (with its application name)
+        # before the client's handshake has finished.
+        return len(made) == 2 and await _open(db_url, f"wq-projector {owner}") == 2
 
     await eventually(both_connected)
     # The worker's shutdown: the stop first, the cancel a few loop turns later.
@@ -72,6 +74,11 @@ async def test_a_projector_stopped_and_cancelled_at_once_closes_both_connections
     await _cancel_after(task, ticks)
     # Closed at once, not when the garbage collector finds the connections.
     assert len(made) == 2 and all(conn.closed for conn in made)
+
+    async def none_open() -> bool:
+        return await _open(db_url, f"wq-projector {owner}") == 0
+
+    await eventually(none_open)
 
 
 @pytest.mark.parametrize("ticks", range(3))
