@@ -167,6 +167,7 @@ class Worker:
         self.capacity = asyncio.Event()
         self._finishes: list[tuple[Finish, asyncio.Future[FinishStatus]]] = []
         self._finish_ready = asyncio.Event()
+        self._claiming: asyncio.Task[None] | None = None  # the claim loop
         self._signals = 0
         self.procrastinate_id: int | None = None
         self.lane: lanes.Lane | None = None
@@ -300,8 +301,9 @@ class Worker:
         if self.s.install_signals:
             on_stop_signals(self.request_stop)
         listening = self.listen_url is not None
+        self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
         tasks = [
-            asyncio.create_task(self._claim_loop(), name="claim"),
+            self._claiming,
             asyncio.create_task(self._finish_loop(), name="finish"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
             asyncio.create_task(self._peers_loop(), name="peers"),
@@ -340,6 +342,8 @@ class Worker:
                 log.error("worker_loop_crashed", loop=task.get_name(), error=repr(task.exception()))
                 exit_code = 1
         self.stopping.set()
+        self.wake.set()
+        self.capacity.set()
         await self._drain()
         for task in tasks:
             task.cancel()
@@ -364,10 +368,15 @@ class Worker:
         log.info("worker_stopping", grace_s=self.s.grace_s, running=len(self.live))
         self.stopping.set()
         self.wake.set()
+        self.capacity.set()  # a claim loop waiting for a slot sees the stop at once
 
     async def _drain(self) -> None:
         """Let running attempts finish within the grace period, then hand the rest back."""
         deadline = time.monotonic() + self.s.grace_s
+        if self._claiming is not None and not self._claiming.done():
+            # A claim under way when the stop came lands in the local queue: let it land,
+            # then hand back everything claimed ahead.
+            await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
         await self._hand_back_ahead()
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -14,6 +14,7 @@ SIGCONT it finishes them itself, each in its first attempt.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -262,3 +263,42 @@ async def test_with_batched_completion_at_most_concurrency_plays_execute_at_once
     async with running_worker(db_url, registry, release="t", concurrency=3, prefetch=12):
         await wait_succeeded(db_url, 120)
     assert EXECUTING["max"] == 3
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+async def test_a_claim_under_way_when_the_stop_comes_is_handed_back(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    """The stop comes while a claim is on its way: the runs it claims start nowhere and
+    go back to their lane before the worker stops (not when their leases lapse)."""
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    await prepare(db_url)
+    run_ids = await submit_held(db_url, 3, hold_s=600)
+    from queues import runs
+
+    real_claim = runs.claim
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held_claim(conn: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await real_claim(conn, **kwargs)
+
+    monkeypatch.setattr(runs, "claim", held_claim)
+    async with running_worker(
+        db_url, registry, release="t", concurrency=2, prefetch=prefetch, grace_s=0.5
+    ) as worker:
+        await asyncio.wait_for(entered.wait(), 10)
+        worker.stop()
+        release.set()
+    rows = await fetch(
+        db_url,
+        "SELECT r.state::text, a.outcome::text FROM wq_runs r"
+        " LEFT JOIN wq_attempts a ON a.run_id = r.id WHERE r.id = ANY(%s)",
+        (run_ids,),
+    )
+    claimed = min(3, 2 + prefetch)  # the claim asked for the free slots and the queue's room
+    assert sorted(rows, key=str) == sorted(
+        [("queued", "handed_back")] * claimed + [("queued", None)] * (3 - claimed), key=str
+    )
+    assert await starts(db_url) == []
