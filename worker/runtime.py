@@ -161,6 +161,7 @@ class Worker:
         self.lane_names = [lanes.lane_name(r) for r in (settings.release, *settings.adopt)]
         self.live: dict[uuid.UUID, _Live] = {}
         self.ahead: deque[runs.Claimed] = deque()  # claimed ahead, not started (prefetch)
+        self.returned = 0  # live attempts whose play has returned (finishing)
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
@@ -431,8 +432,8 @@ class Worker:
         that are gone (their session ended), so a killed worker's runs, and the runs it
         claimed ahead, go back to their lanes within seconds instead of when their leases
         lapse and a recovery pass comes (queues.recovery.rescue_gone)."""
-        assert self.pool is not None and self.lane is not None
-        period = min(self.lane.heartbeat_s, HEARTBEAT_MAX_PERIOD_S)
+        assert self.pool is not None and self.heartbeat is not None
+        period = self.heartbeat.period_s
         while not self.stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), period)
@@ -549,9 +550,7 @@ class Worker:
     def _slots_taken(self) -> int:
         """Attempts holding a slot: every live one, or with ``prefetch`` (batched
         completion) those whose play has not returned yet."""
-        if not self.s.prefetch:
-            return len(self.live)
-        return sum(1 for live in self.live.values() if not live.finishing)
+        return len(self.live) - (self.returned if self.s.prefetch else 0)
 
     async def _hand_back_ahead(self) -> None:
         """Runs claimed ahead and never started go back to their lanes at once, in one
@@ -654,6 +653,8 @@ class Worker:
                 if self.heartbeat is not None:
                     self.heartbeat.untrack(c.run_id)
                 live = self.live.pop(c.run_id, None)
+                if live is not None and live.finishing:
+                    self.returned -= 1
                 if live is not None and live.timer is not None:
                     live.timer.cancel()
                 self._fill()  # the next run claimed ahead takes the slot at once
@@ -677,6 +678,7 @@ class Worker:
         live = self.live.get(c.run_id)
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
+            self.returned += 1
             if self.s.prefetch:
                 # Batched completion: the play has returned, so its slot is free; its
                 # final write goes out with the finish loop's next batch, and its held
