@@ -64,6 +64,11 @@ LEGACY_PROCRASTINATE_ENTRY = "0000_procrastinate_schema"
 LEGACY_PROCRASTINATE_VERSION = "03.04.00_50_post_add_retry_failed_job_procedure"
 # How procrastinate's steps are named in `worker migrate` reports and `--check` lists.
 PROCRASTINATE_PREFIX = "procrastinate/"
+# Our migration that re-creates some of procrastinate's triggers (wq_transport_fit): once a
+# database has it, every procrastinate migration applied to it is followed, in the same
+# transaction, by that call again: a delta may re-create one of those triggers.
+FIT_MIGRATION = "0026_notify_once_per_statement"
+_FIT_SQL = "\n;\nSELECT wq_transport_fit();\n"
 _OURS = re.compile(r"^(?P<number>\d{4})_(?P<slug>[a-z0-9_]+)\.sql$")
 _THEIRS = re.compile(r"^(?P<x>\d{2})\.(?P<y>\d{2})\.(?P<z>\d{2})_(?P<serial>\d{2})_\w+$")
 _UPGRADE_FIX = (
@@ -342,6 +347,11 @@ def _check_history(applied: dict[str, str], code: list[Migration]) -> None:
             )
 
 
+def _then_fit(sql: Callable[[], str]) -> str:
+    """A procrastinate migration's text, then our fit of its triggers (FIT_MIGRATION)."""
+    return sql() + _FIT_SQL
+
+
 def _plan(state: _State, chain: ProcrastinateChain, code: list[Migration]) -> list[_Step]:
     """Every step that would bring the database to this code's schema, in order.
 
@@ -380,12 +390,13 @@ def _plan(state: _State, chain: ProcrastinateChain, code: list[Migration]) -> li
                     fix="nothing was recorded; run `worker migrate` again",
                 )
             )
+        fitted = FIT_MIGRATION in state.ours
         steps.extend(
             _Step(
                 name=f"{PROCRASTINATE_PREFIX}{m.name}",
                 track=_TRACK_THEIRS,
                 params={"n": m.name, "as": "migration", "p": chain.package},
-                sql=m.sql,
+                sql=functools.partial(_then_fit, m.sql) if fitted else m.sql,
                 fix=_THEIR_FIX,
             )
             for m in chain.migrations

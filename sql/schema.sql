@@ -736,16 +736,24 @@ CREATE FUNCTION public.wq_limit_live_holds(p_key text, p_org text, p_at timestam
 $$;
 
 --
--- Name: wq_notify_run_event(); Type: FUNCTION; Schema: public; Owner: -
+-- Name: wq_notify_run_events(); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.wq_notify_run_event() RETURNS trigger
+CREATE FUNCTION public.wq_notify_run_events() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_ids text;
 BEGIN
-    PERFORM pg_notify('wq_run_events',
-        json_build_object('run_id', NEW.run_id, 'kind', NEW.kind, 'id', NEW.id)::text);
-    RETURN NEW;
+    FOR v_ids IN
+        SELECT string_agg(d.run_id::text, ',' ORDER BY d.run_id)
+          FROM (SELECT u.run_id, (row_number() OVER (ORDER BY u.run_id) - 1) / 200 AS chunk
+                  FROM (SELECT DISTINCT a.run_id FROM appended a) u) d
+         GROUP BY d.chunk
+    LOOP
+        PERFORM pg_notify('wq_run_events', v_ids);
+    END LOOP;
+    RETURN NULL;
 END;
 $$;
 
@@ -1123,6 +1131,38 @@ CREATE FUNCTION public.wq_transport_beat(p_worker bigint) RETURNS void
 $$;
 
 --
+-- Name: wq_transport_fit(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_fit() RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DROP TRIGGER IF EXISTS procrastinate_jobs_notify_queue_job_inserted_v1
+        ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_jobs_notify_queue_job_inserted_v1
+        AFTER INSERT ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.status = 'todo'::procrastinate_job_status
+                           AND new.task_name <> 'wq.run')
+        EXECUTE FUNCTION procrastinate_notify_queue_job_inserted_v1();
+
+    DROP TRIGGER IF EXISTS procrastinate_trigger_status_events_insert_v1 ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_trigger_status_events_insert_v1
+        AFTER INSERT ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.status = 'todo'::procrastinate_job_status
+                           AND new.task_name <> 'wq.run')
+        EXECUTE FUNCTION procrastinate_trigger_function_status_events_insert_v1();
+
+    DROP TRIGGER IF EXISTS procrastinate_trigger_status_events_update_v1 ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_trigger_status_events_update_v1
+        AFTER UPDATE OF status ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.task_name <> 'wq.run'
+                           OR new.status IN ('succeeded', 'failed', 'cancelled', 'aborted'))
+        EXECUTE FUNCTION procrastinate_trigger_function_status_events_update_v1();
+END;
+$$;
+
+--
 -- Name: wq_transport_job_waiting(bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1214,11 +1254,11 @@ CREATE FUNCTION public.wq_transport_release(p_job_ids bigint[]) RETURNS integer
          WHERE j.id = ANY (p_job_ids) AND j.status = 'doing' AND NOT j.abort_requested
         RETURNING j.id, j.queue_name
     ), woken AS (
-        SELECT pg_notify('procrastinate_queue_v1#' || r.queue_name,
-                         json_build_object('type', 'job_inserted', 'job_id', r.id)::text)
-          FROM released r
+        SELECT pg_notify('procrastinate_queue_v1#' || l.queue_name, '{"type": "job_inserted"}')
+          FROM (SELECT DISTINCT r.queue_name FROM released r) l
     )
-    SELECT count(*)::integer FROM woken
+    SELECT (SELECT count(*)::integer FROM released)
+      FROM (SELECT count(*) FROM woken) w
 $$;
 
 --
@@ -1263,6 +1303,9 @@ BEGIN
         RETURNING 1
     )
     SELECT count(*)::integer INTO v_spawned FROM spawned;
+    -- procrastinate's insert trigger skips these jobs (above): one wake per lane.
+    PERFORM pg_notify('procrastinate_queue_v1#' || l.lane, '{"type": "job_inserted"}')
+       FROM (SELECT DISTINCT lane FROM unnest(p_lanes) AS lane) l;
     RETURN v_spawned;
 END;
 $$;
@@ -2531,7 +2574,7 @@ CREATE TRIGGER procrastinate_jobs_notify_queue_job_aborted_v1 AFTER UPDATE OF ab
 -- Name: procrastinate_jobs procrastinate_jobs_notify_queue_job_inserted_v1; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER procrastinate_jobs_notify_queue_job_inserted_v1 AFTER INSERT ON public.procrastinate_jobs FOR EACH ROW WHEN ((new.status = 'todo'::public.procrastinate_job_status)) EXECUTE FUNCTION public.procrastinate_notify_queue_job_inserted_v1();
+CREATE TRIGGER procrastinate_jobs_notify_queue_job_inserted_v1 AFTER INSERT ON public.procrastinate_jobs FOR EACH ROW WHEN (((new.status = 'todo'::public.procrastinate_job_status) AND ((new.task_name)::text <> 'wq.run'::text))) EXECUTE FUNCTION public.procrastinate_notify_queue_job_inserted_v1();
 
 --
 -- Name: procrastinate_jobs procrastinate_trigger_abort_requested_events_v1; Type: TRIGGER; Schema: public; Owner: -
@@ -2555,13 +2598,13 @@ CREATE TRIGGER procrastinate_trigger_scheduled_events_v1 AFTER INSERT OR UPDATE 
 -- Name: procrastinate_jobs procrastinate_trigger_status_events_insert_v1; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER procrastinate_trigger_status_events_insert_v1 AFTER INSERT ON public.procrastinate_jobs FOR EACH ROW WHEN ((new.status = 'todo'::public.procrastinate_job_status)) EXECUTE FUNCTION public.procrastinate_trigger_function_status_events_insert_v1();
+CREATE TRIGGER procrastinate_trigger_status_events_insert_v1 AFTER INSERT ON public.procrastinate_jobs FOR EACH ROW WHEN (((new.status = 'todo'::public.procrastinate_job_status) AND ((new.task_name)::text <> 'wq.run'::text))) EXECUTE FUNCTION public.procrastinate_trigger_function_status_events_insert_v1();
 
 --
 -- Name: procrastinate_jobs procrastinate_trigger_status_events_update_v1; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER procrastinate_trigger_status_events_update_v1 AFTER UPDATE OF status ON public.procrastinate_jobs FOR EACH ROW EXECUTE FUNCTION public.procrastinate_trigger_function_status_events_update_v1();
+CREATE TRIGGER procrastinate_trigger_status_events_update_v1 AFTER UPDATE OF status ON public.procrastinate_jobs FOR EACH ROW WHEN ((((new.task_name)::text <> 'wq.run'::text) OR (new.status = ANY (ARRAY['succeeded'::public.procrastinate_job_status, 'failed'::public.procrastinate_job_status, 'cancelled'::public.procrastinate_job_status, 'aborted'::public.procrastinate_job_status])))) EXECUTE FUNCTION public.procrastinate_trigger_function_status_events_update_v1();
 
 --
 -- Name: wq_runs wq_child_run_ended; Type: TRIGGER; Schema: public; Owner: -
@@ -2573,7 +2616,7 @@ CREATE TRIGGER wq_child_run_ended AFTER UPDATE OF state ON public.wq_runs FOR EA
 -- Name: wq_events wq_events_notify; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER wq_events_notify AFTER INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_notify_run_event();
+CREATE TRIGGER wq_events_notify AFTER INSERT ON public.wq_events REFERENCING NEW TABLE AS appended FOR EACH STATEMENT EXECUTE FUNCTION public.wq_notify_run_events();
 
 --
 -- Name: wq_events wq_events_outbox; Type: TRIGGER; Schema: public; Owner: -

@@ -1,0 +1,144 @@
+"""Notifications once per statement, procrastinate's job history only where it is read
+(migration 0026), on real committing connections.
+
+Notifications are counted up to a sentinel NOTIFY sent after the statement under test
+committed: Postgres delivers a session's notifications in commit order, so everything the
+statement sent has arrived when the sentinel does (no sleep, no guessed quiet period).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+
+from queues import admission, lanes, transport
+
+Conn = psycopg.AsyncConnection[Any]
+RELEASE = "notify-once"
+LANE = lanes.lane_name(RELEASE)
+ANY_QUEUE = "procrastinate_any_queue_v1"
+RUN_EVENTS = "wq_run_events"
+SENTINEL = "sentinel"
+DEADLINE_S = 10.0
+
+
+@asynccontextmanager
+async def connect(url: str) -> AsyncIterator[Conn]:
+    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def until_sentinel(listener: Conn, writer: Conn, channel: str) -> list[psycopg.Notify]:
+    """Every notification that arrived before a sentinel sent now on ``channel``."""
+    await writer.execute("SELECT pg_notify(%s, %s)", (channel, SENTINEL))
+    notes: list[psycopg.Notify] = []
+    async for note in listener.notifies(timeout=DEADLINE_S):
+        if note.channel == channel and note.payload == SENTINEL:
+            return notes
+        notes.append(note)
+    raise AssertionError(f"the sentinel did not arrive within {DEADLINE_S} s: {notes}")
+
+
+async def new_job_ids(conn: Conn, n: int) -> list[int]:
+    cur = await conn.execute(
+        "SELECT array_agg(wq_transport_next_id()) FROM generate_series(1, %s)", (n,)
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return list(row[0])
+
+
+async def test_a_spawn_and_a_release_wake_each_lane_once(db_url: str) -> None:
+    async with connect(db_url) as listener, connect(db_url) as writer:
+        await transport.listen(listener, [LANE])
+        await listener.execute(f"LISTEN {ANY_QUEUE}")
+        ids = await new_job_ids(writer, 5)
+        await writer.execute(
+            "SELECT wq_transport_spawn(%s, %s, %s)", (ids, [LANE] * 5, [uuid.uuid4()] * 5)
+        )
+        notes = await until_sentinel(listener, writer, ANY_QUEUE)
+        # One wake for the lane, none on the any-queue channel (no procrastinate worker
+        # serves a lane), where procrastinate's row trigger sent ten.
+        assert [n.channel for n in notes] == [transport.lane_channel(LANE)]
+
+        cur = await writer.execute(
+            "SELECT count(*) FROM wq_transport_take(%s, %s, NULL)", ([LANE], 3)
+        )
+        assert await cur.fetchone() == (3,)
+        taken = await (
+            await writer.execute(
+                "SELECT id FROM wq_transport_jobs() WHERE id = ANY (%s) AND status = 'doing'",
+                (ids,),
+            )
+        ).fetchall()
+        cur = await writer.execute(
+            "SELECT wq_transport_release(%s)", ([job_id for (job_id,) in taken],)
+        )
+        assert await cur.fetchone() == (3,)  # still the number handed back
+        notes = await until_sentinel(listener, writer, ANY_QUEUE)
+        assert [n.channel for n in notes] == [transport.lane_channel(LANE)]
+
+
+async def test_a_statement_appending_to_many_runs_notifies_once_per_200_runs(
+    db_url: str,
+) -> None:
+    async with connect(db_url) as listener, connect(db_url) as writer:
+        await lanes.prepare(writer, RELEASE)
+        await listener.execute(f"LISTEN {RUN_EVENTS}")
+        subs = [
+            admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(450)
+        ]
+        admitted = await admission.submit_many(writer, subs)  # 450 run_created, one statement
+        notes = await until_sentinel(listener, writer, RUN_EVENTS)
+        assert len(notes) == 3
+        assert all(len(n.payload.encode()) < 8000 for n in notes)
+        named = [run_id for n in notes for run_id in n.payload.split(",")]
+        assert sorted(named) == sorted(str(a.run_id) for a in admitted)  # each once
+
+        # One event of one run: its id alone.
+        await writer.execute(
+            "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'run_note', '{}')",
+            (admitted[7].run_id,),
+        )
+        notes = await until_sentinel(listener, writer, RUN_EVENTS)
+        assert [n.payload for n in notes] == [str(admitted[7].run_id)]
+
+
+async def events_of(conn: Conn, job_id: int) -> list[str]:
+    cur = await conn.execute(
+        "SELECT type::text FROM procrastinate_events WHERE job_id = %s ORDER BY id", (job_id,)
+    )
+    return [t for (t,) in await cur.fetchall()]
+
+
+async def test_a_runs_job_keeps_only_its_terminal_event_and_other_tasks_keep_all(
+    db_url: str,
+) -> None:
+    async with connect(db_url) as conn:
+        [done, handed, other] = await new_job_ids(conn, 3)
+        await conn.execute(
+            "SELECT wq_transport_spawn(%s, %s, %s)",
+            ([done, handed], [LANE, LANE], [uuid.uuid4(), uuid.uuid4()]),
+        )
+        await conn.execute(
+            "INSERT INTO procrastinate_jobs (id, queue_name, task_name, args)"
+            " VALUES (%s, 'wq-maintenance', 'other.task', '{}')",
+            (other,),
+        )
+        await conn.execute("SELECT count(*) FROM wq_transport_take(%s, 2, NULL)", ([LANE],))
+        await conn.execute("SELECT wq_transport_release(%s)", ([handed],))
+        await conn.execute("SELECT wq_transport_settle(%s, %s)", ([done], [True]))
+        await conn.execute("UPDATE procrastinate_jobs SET status = 'doing' WHERE id = %s", (other,))
+        await conn.execute(
+            "UPDATE procrastinate_jobs SET status = 'succeeded' WHERE id = %s", (other,)
+        )
+        assert await events_of(conn, done) == ["succeeded"]  # what prune reads
+        assert await events_of(conn, handed) == []  # waiting again: no terminal status yet
+        assert await events_of(conn, other) == ["deferred", "started", "succeeded"]
