@@ -85,10 +85,10 @@ class Settings:
     poll_s: float = POLL_INTERVAL_S
     # The high-throughput mode: runs claimed ahead into a local queue beyond the free
     # slots (0: claim only for free slots). A freed slot starts the next run at once, and
-    # the next claim overlaps the running attempts and their final writes; a slot is freed
-    # when its play returns (batched completion), not when its final write is answered. A
-    # run claimed ahead is leased (and renewed) from its claim, so its timeout counts
-    # from then.
+    # the next claim overlaps the running attempts and their final writes. A run claimed
+    # ahead is leased (and renewed) from its claim, so its timeout counts from then. In
+    # every mode a slot is freed when its play returns (batched completion), not when its
+    # final write is answered.
     prefetch: int = 0
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -548,9 +548,11 @@ class Worker:
             self._start(self.ahead.popleft())
 
     def _slots_taken(self) -> int:
-        """Attempts holding a slot: every live one, or with ``prefetch`` (batched
-        completion) those whose play has not returned yet."""
-        return len(self.live) - (self.returned if self.s.prefetch else 0)
+        """Attempts holding a slot: those whose play has not returned yet (batched
+        completion), and those finishing beyond ``concurrency`` of them, so a slow
+        database cannot make finishing attempts pile up while new runs are claimed."""
+        assert self.s.concurrency is not None
+        return len(self.live) - min(self.returned, self.s.concurrency)
 
     async def _hand_back_ahead(self) -> None:
         """Runs claimed ahead and never started go back to their lanes at once, in one
@@ -679,13 +681,12 @@ class Worker:
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
             self.returned += 1
-            if self.s.prefetch:
-                # Batched completion: the play has returned, so its slot is free; its
-                # final write goes out with the finish loop's next batch, and its held
-                # connection goes back to the pool first.
-                await transport.aclose()
-                self._fill()
-                self.capacity.set()
+            # Batched completion: the play has returned, so its slot is free; its final
+            # write goes out with the finish loop's next batch, and its held connection
+            # goes back to the pool first.
+            await transport.aclose()
+            self._fill()
+            self.capacity.set()
         final = ended.finish
         status: FinishStatus | None = None
         if final is not None:
