@@ -549,10 +549,12 @@ class Worker:
 
     def _slots_taken(self) -> int:
         """Attempts holding a slot: those whose play has not returned yet (batched
-        completion), and those finishing beyond ``concurrency`` of them, so a slow
-        database cannot make finishing attempts pile up while new runs are claimed."""
+        completion), and those finishing beyond ``concurrency + prefetch`` of them, so a
+        slow database cannot make finishing attempts pile up while new runs are claimed.
+        (Claiming ahead needs the larger allowance: its final writes go out in batches
+        as large as its local queue.)"""
         assert self.s.concurrency is not None
-        return len(self.live) - min(self.returned, self.s.concurrency)
+        return len(self.live) - min(self.returned, self.s.concurrency + self.s.prefetch)
 
     async def _hand_back_ahead(self) -> None:
         """Runs claimed ahead and never started go back to their lanes at once, in one
