@@ -46,11 +46,12 @@ async def held(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"attempt": ctx.info.attempt}
 
 
-EXECUTING = {"now": 0, "max": 0}
+EXECUTING = {"now": 0, "max": 0, "started": 0}
 
 
 @registry.play("counted")
 async def counted(ctx: RunContext, params: dict[str, Any]) -> None:
+    EXECUTING["started"] += 1
     EXECUTING["now"] += 1
     EXECUTING["max"] = max(EXECUTING["max"], EXECUTING["now"])
     try:

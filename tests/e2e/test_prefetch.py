@@ -265,6 +265,50 @@ async def test_with_batched_completion_at_most_concurrency_plays_execute_at_once
     assert EXECUTING["max"] == 3
 
 
+@pytest.mark.parametrize("prefetch", [0, 3])
+async def test_finishing_attempts_past_their_allowance_hold_slots(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, prefetch: int
+) -> None:
+    """While final writes are held up (a slow database), a worker starts plays for its
+    slots and for its finishing allowance (concurrency + prefetch attempts whose play
+    returned), then no more: finishing attempts cannot pile up. Then every run ends once."""
+    concurrency = 2
+    monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    monkeypatch.setitem(EXECUTING, "started", 0)
+    await prepare(db_url)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        from queues import admission
+
+        await admission.submit_many(
+            conn,
+            [admission.Submission(play="counted", params={"i": i}, release="t") for i in range(30)],
+        )
+    from queues import runs
+
+    real_finish = runs.finish
+    release = asyncio.Event()
+
+    async def held_finish(conn: Any, **kwargs: Any) -> Any:
+        await release.wait()
+        return await real_finish(conn, **kwargs)
+
+    monkeypatch.setattr(runs, "finish", held_finish)
+    cap = concurrency + (concurrency + prefetch)  # running + finishing allowance
+    async with running_worker(
+        db_url, registry, release="t", concurrency=concurrency, prefetch=prefetch
+    ):
+
+        async def at_cap() -> bool:
+            return EXECUTING["started"] >= cap
+
+        await eventually(at_cap, timeout=20)
+        await asyncio.sleep(1.0)  # time for claims and starts that must not come
+        assert EXECUTING["started"] == cap
+        release.set()
+        await wait_succeeded(db_url, 30)
+    assert EXECUTING["started"] == 30
+
+
 @pytest.mark.parametrize("prefetch", [0, 4])
 async def test_a_claim_under_way_when_the_stop_comes_is_handed_back(
     db_url: str, monkeypatch: pytest.MonkeyPatch, prefetch: int
