@@ -71,6 +71,17 @@ async def submit_held(url: str, n: int, hold_s: float) -> list[uuid.UUID]:
     return [await submit(url, "held", {"hold_s": hold_s, "i": i}) for i in range(n)]
 
 
+async def submit_batch(url: str, play: str, n: int) -> None:
+    """``n`` runs of ``play`` in one batch admission."""
+    from queues import admission
+
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await admission.submit_many(
+            conn,
+            [admission.Submission(play=play, params={"i": i}, release="t") for i in range(n)],
+        )
+
+
 async def owners(url: str, run_ids: list[uuid.UUID]) -> dict[str, int]:
     """Running runs of ``run_ids`` per lease owner (attempt 1 only)."""
     rows = await fetch(
@@ -225,13 +236,7 @@ async def test_a_prefetching_worker_drains_every_run_once(
 ) -> None:
     monkeypatch.setenv("PREFETCH_DB_URL", db_url)
     await prepare(db_url)
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-        from queues import admission
-
-        await admission.submit_many(
-            conn,
-            [admission.Submission(play="held", params={"i": i}, release="t") for i in range(300)],
-        )
+    await submit_batch(db_url, "held", 300)
     async with running_worker(db_url, registry, release="t", concurrency=4, prefetch=16):
         await wait_succeeded(db_url, 300)
     rows: list[Any] = await fetch(
@@ -250,16 +255,7 @@ async def test_with_batched_completion_at_most_concurrency_plays_execute_at_once
     monkeypatch.setenv("PREFETCH_DB_URL", db_url)
     monkeypatch.setitem(EXECUTING, "max", 0)
     await prepare(db_url)
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-        from queues import admission
-
-        await admission.submit_many(
-            conn,
-            [
-                admission.Submission(play="counted", params={"i": i}, release="t")
-                for i in range(120)
-            ],
-        )
+    await submit_batch(db_url, "counted", 120)
     async with running_worker(db_url, registry, release="t", concurrency=3, prefetch=12):
         await wait_succeeded(db_url, 120)
     assert EXECUTING["max"] == 3
@@ -276,13 +272,7 @@ async def test_finishing_attempts_past_their_allowance_hold_slots(
     monkeypatch.setenv("PREFETCH_DB_URL", db_url)
     monkeypatch.setitem(EXECUTING, "started", 0)
     await prepare(db_url)
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-        from queues import admission
-
-        await admission.submit_many(
-            conn,
-            [admission.Submission(play="counted", params={"i": i}, release="t") for i in range(30)],
-        )
+    await submit_batch(db_url, "counted", 30)
     from queues import runs
 
     real_finish = runs.finish
