@@ -43,8 +43,9 @@ def run_dict(run: runs.Run) -> dict[str, Any]:
     return data
 
 
-async def _notified(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, timeout: float) -> None:
-    """Return at the next ledger notification for ``run_id``, or after ``timeout``."""
+async def notified(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, timeout: float) -> None:
+    """Return at the next ledger notification for ``run_id`` (its id among the payload's
+    run ids, migration 0026), or after ``timeout``."""
     key = str(run_id)
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(timeout):
@@ -69,7 +70,7 @@ async def wait_terminal(
             left = every if deadline is None else min(every, deadline - time.monotonic())
             if left <= 0:
                 return None
-            await _notified(listener, run_id, left)
+            await notified(listener, run_id, left)
 
 
 async def follow(
@@ -115,6 +116,6 @@ async def follow(
                     else:
                         say(f"run {run.id} {run.state}")
                     return int(EXIT_BY_STATE.get(run.state, ExitCode.FAILED))
-                await _notified(listener, run_id, 0.5)
+                await notified(listener, run_id, 0.5)
         finally:
             progress.close()

@@ -8,14 +8,17 @@ statement sent has arrived when the sentinel does (no sleep, no guessed quiet pe
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
+import pytest
 
 from queues import admission, lanes, transport
+from tests.workers import eventually
 
 Conn = psycopg.AsyncConnection[Any]
 RELEASE = "notify-once"
@@ -142,3 +145,47 @@ async def test_a_runs_job_keeps_only_its_terminal_event_and_other_tasks_keep_all
         assert await events_of(conn, done) == ["succeeded"]  # what prune reads
         assert await events_of(conn, handed) == []  # waiting again: no terminal status yet
         assert await events_of(conn, other) == ["deferred", "started", "succeeded"]
+
+
+async def test_a_follower_wakes_on_its_runs_id_in_a_statements_payload(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``worker events --follow`` and ``observe.notified`` find their run among the run
+    ids of one notification. The poll is an hour, so only the notification can wake
+    them."""
+    from worker import observe
+    from worker.cli import ledger as cli_ledger
+
+    monkeypatch.setenv("WORKER_OBSERVE_POLL_S", "3600")
+    async with connect(db_url) as writer:
+        await lanes.prepare(writer, RELEASE)
+        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(3)]
+        admitted = await admission.submit_many(writer, subs)
+        mine = admitted[1].run_id
+        lines: list[str] = []
+        following = asyncio.create_task(
+            cli_ledger.print_events(db_url, mine, follow=True, as_json=False, echo=lines.append)
+        )
+        async with connect(db_url) as listener:
+            await listener.execute(f"LISTEN {RUN_EVENTS}")
+            waiting = asyncio.create_task(observe.notified(listener, mine, 3600))
+            await eventually(lambda: _printed(lines, "run_created"), timeout=DEADLINE_S)
+            # One statement cancels all three queued runs: one notification names them.
+            cur = await writer.execute(
+                "UPDATE wq_runs SET state = 'cancelled', finished_at = now(), job_id = NULL"
+                " WHERE id = ANY (%s) RETURNING id",
+                ([a.run_id for a in admitted],),
+            )
+            assert len(await cur.fetchall()) == 3
+            await writer.execute(
+                "INSERT INTO wq_events (run_id, kind, data)"
+                " SELECT unnest(%s::uuid[]), 'run_cancelled', '{}'",
+                ([a.run_id for a in admitted],),
+            )
+            await asyncio.wait_for(waiting, DEADLINE_S)
+        assert await asyncio.wait_for(following, DEADLINE_S) == 0
+    assert "run_cancelled" in lines[-1]
+
+
+async def _printed(lines: list[str], kind: str) -> bool:
+    return any(kind in line for line in lines)

@@ -54,14 +54,7 @@ async def print_events(
                 echo(_line(event, as_json))
             if not follow or run.terminal:
                 return 0
-            await _notified(conn, run_id, observe.poll_s())
-
-
-async def _notified(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID, timeout: float) -> None:
-    key = str(run_id)
-    async for note in conn.notifies(timeout=timeout):
-        if key in note.payload:
-            return
+            await observe.notified(conn, run_id, observe.poll_s())
 
 
 @click.command("events")
