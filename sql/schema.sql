@@ -743,15 +743,10 @@ CREATE FUNCTION public.wq_notify_run_events() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_ids text;
+    v_ids text[] := ARRAY(SELECT DISTINCT a.run_id::text FROM appended a);
 BEGIN
-    FOR v_ids IN
-        SELECT string_agg(d.run_id::text, ',' ORDER BY d.run_id)
-          FROM (SELECT u.run_id, (row_number() OVER (ORDER BY u.run_id) - 1) / 200 AS chunk
-                  FROM (SELECT DISTINCT a.run_id FROM appended a) u) d
-         GROUP BY d.chunk
-    LOOP
-        PERFORM pg_notify('wq_run_events', v_ids);
+    FOR i IN 1 .. cardinality(v_ids) BY 200 LOOP
+        PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
     END LOOP;
     RETURN NULL;
 END;
@@ -1254,11 +1249,11 @@ CREATE FUNCTION public.wq_transport_release(p_job_ids bigint[]) RETURNS integer
          WHERE j.id = ANY (p_job_ids) AND j.status = 'doing' AND NOT j.abort_requested
         RETURNING j.id, j.queue_name
     ), woken AS (
-        SELECT pg_notify('procrastinate_queue_v1#' || l.queue_name, '{"type": "job_inserted"}')
-          FROM (SELECT DISTINCT r.queue_name FROM released r) l
+        -- One payload per lane: Postgres folds a transaction's identical notifications.
+        SELECT pg_notify('procrastinate_queue_v1#' || r.queue_name, '{"type": "job_inserted"}')
+          FROM released r
     )
-    SELECT (SELECT count(*)::integer FROM released)
-      FROM (SELECT count(*) FROM woken) w
+    SELECT count(*)::integer FROM woken
 $$;
 
 --
