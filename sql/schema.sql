@@ -674,6 +674,19 @@ END;
 $$;
 
 --
+-- Name: wq_events_gone(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_events_gone() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DELETE FROM wq_outbox o USING gone g WHERE o.event_id = g.id;
+    RETURN NULL;
+END;
+$$;
+
+--
 -- Name: wq_events_outbox(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -749,6 +762,28 @@ BEGIN
         PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
     END LOOP;
     RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_sinks_kept(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_sinks_kept() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'restrict_violation',
+        MESSAGE = format('sink %L is never %s: its deliveries name it', OLD.name,
+                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
+        DETAIL = json_build_object('field', 'sink',
+                                   'rule', 'a sink is disabled, never deleted or renamed')::text,
+        HINT = format('disable it with `worker sinks disable %s`; add a sink under the new '
+                      'name with `worker sinks add`', OLD.name);
 END;
 $$;
 
@@ -2608,6 +2643,12 @@ CREATE TRIGGER procrastinate_trigger_status_events_update_v1 AFTER UPDATE OF sta
 CREATE TRIGGER wq_child_run_ended AFTER UPDATE OF state ON public.wq_runs FOR EACH ROW WHEN (((new.parent_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::public.wq_run_state, 'failed'::public.wq_run_state, 'cancelled'::public.wq_run_state])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION public.wq_child_run_ended();
 
 --
+-- Name: wq_events wq_events_gone; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_events_gone AFTER DELETE ON public.wq_events REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_events_gone();
+
+--
 -- Name: wq_events wq_events_notify; Type: TRIGGER; Schema: public; Owner: -
 --
 
@@ -2624,6 +2665,12 @@ CREATE TRIGGER wq_events_outbox AFTER INSERT ON public.wq_events REFERENCING NEW
 --
 
 CREATE TRIGGER wq_events_sequence BEFORE INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_events_sequence();
+
+--
+-- Name: wq_sinks wq_sinks_kept; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_sinks_kept BEFORE DELETE OR UPDATE OF name ON public.wq_sinks FOR EACH ROW EXECUTE FUNCTION public.wq_sinks_kept();
 
 --
 -- Name: wq_attempts wq_tally_deleted_attempts; Type: TRIGGER; Schema: public; Owner: -
@@ -2705,20 +2752,6 @@ ALTER TABLE ONLY public.wq_limit_holds
 
 ALTER TABLE ONLY public.wq_limit_holds
     ADD CONSTRAINT wq_limit_holds_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
-
---
--- Name: wq_outbox wq_outbox_event_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
---
-
-ALTER TABLE ONLY public.wq_outbox
-    ADD CONSTRAINT wq_outbox_event_id_fkey FOREIGN KEY (event_id) REFERENCES public.wq_events(id) ON DELETE CASCADE;
-
---
--- Name: wq_outbox wq_outbox_sink_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
---
-
-ALTER TABLE ONLY public.wq_outbox
-    ADD CONSTRAINT wq_outbox_sink_fkey FOREIGN KEY (sink) REFERENCES public.wq_sinks(name) ON DELETE CASCADE;
 
 --
 -- Name: wq_progress wq_progress_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -

@@ -376,6 +376,57 @@ async def test_delivered_rows_go_with_their_run(conn: Conn) -> None:
     assert await ledger.progress(conn, run_id) is None
 
 
+async def test_retention_takes_every_outbox_row_of_its_runs_and_no_other(conn: Conn) -> None:
+    """The outbox rows of deleted events go with them (wq_events_gone, migration 0027):
+    pending and delivered ones, of every sink, and none of a run that stays."""
+    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
+    gone = [await attempts.admit(conn) for _ in range(3)]
+    kept = await attempts.admit(conn)
+    for run_id in [*gone, kept]:
+        await ledger.append(conn, run_id, "note", {})
+    leased = await ledger.lease_deliveries(conn, "p", 2, LEASE_S, now=T0)
+    assert await ledger.deliver_progress(conn, "p", [d.id for d in leased], now=T0)
+    kept_rows = await outbox(conn, kept)
+    for run_id in gone:
+        await runs.cancel(conn, run_id)
+    report = await recovery.run_once(conn, now=T0 + timedelta(days=30))
+    assert report.deleted_runs == 3
+    for run_id in gone:
+        assert await outbox(conn, run_id) == []
+    assert kept_rows and await outbox(conn, kept) == kept_rows
+    cur = await conn.execute(
+        "SELECT count(*) FROM wq_outbox o"
+        " WHERE NOT EXISTS (SELECT 1 FROM wq_events e WHERE e.id = o.event_id)"
+        "    OR NOT EXISTS (SELECT 1 FROM wq_sinks s WHERE s.name = o.sink)"
+    )
+    assert await cur.fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("statement", "verb"),
+    [
+        ("DELETE FROM wq_sinks WHERE name = %s", "deleted"),
+        ("UPDATE wq_sinks SET name = 'renamed' WHERE name = %s", "renamed"),
+    ],
+)
+async def test_a_sink_is_never_deleted_or_renamed(conn: Conn, statement: str, verb: str) -> None:
+    """Every outbox row names an existing sink: a sink is disabled, never deleted or
+    renamed, and the refusal (a RESTRICT key's SQLSTATE) changes nothing."""
+    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
+    run_id = await attempts.admit(conn)
+    before = await outbox(conn, run_id)
+    for name in ("crm", "progress"):
+        with pytest.raises(psycopg.errors.RestrictViolation) as refused:
+            async with conn.transaction():
+                await conn.execute(statement, (name,))  # type: ignore[arg-type]
+        assert f"sink '{name}' is never {verb}" in str(refused.value)
+        assert refused.value.diag.message_hint is not None
+        assert "worker sinks disable" in refused.value.diag.message_hint
+    assert {s.name for s in await ledger.list_sinks(conn)} == {"crm", "progress"}
+    assert await outbox(conn, run_id) == before
+    await conn.execute("UPDATE wq_sinks SET enabled = false WHERE name = 'crm'")  # allowed
+
+
 # ---- the progress projection ---------------------------------------------------------------
 
 
