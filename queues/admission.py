@@ -102,14 +102,15 @@ def encode_params(params: Any) -> str:
     return fields.encode(params, field="params", max_bytes=fields.MAX_PARAMS_BYTES)
 
 
-def validate(sub: Submission, known_plays: frozenset[str] | None = None) -> None:
-    """Every field of a submission, by the one set of field rules (before any write)."""
+def validate(sub: Submission, known_plays: frozenset[str] | None = None) -> RunOptions:
+    """Every field of a submission, by the one set of field rules (before any write); the
+    run's own options, checked."""
     lanes.validate_release(sub.release)
     fields.play_name(sub.play)
     fields.org(sub.org)
     fields.idempotency_key(sub.idempotency_key)
     fields.priority(sub.priority)
-    sub.options()
+    options = sub.options()
     if known_plays is not None and sub.play not in known_plays:
         hint = did_you_mean(sub.play, known_plays)
         raise UnknownPlay(
@@ -120,6 +121,7 @@ def validate(sub: Submission, known_plays: frozenset[str] | None = None) -> None
             rule="a play registered with @play",
             fix="register the play in the app module passed to --app, or fix the name",
         )
+    return options
 
 
 async def submit(
@@ -228,8 +230,7 @@ async def submit_many(
             fix="split the batch",
         )
     for sub in subs:
-        validate(sub)
-        if not sub.options().empty:  # never silently dropped
+        if not validate(sub).empty:  # never silently dropped
             raise InvalidField(
                 "a batch submission carries run options (max_attempts, retry, timeout, "
                 "start_by or meta)",
@@ -255,6 +256,9 @@ async def _admit_many(
     """The batch statement, for submissions already validated."""
     ids = [uuid.uuid4() for _ in subs]
     stored = dict(authority or {}) | tracing.stored_context()
+    texts = Descriptor.stored_texts(
+        [(sub.org, sub.play, sub.release) for sub in subs], ids, stored
+    )
     args = {
         "ids": ids,
         "orgs": [sub.org for sub in subs],
@@ -264,15 +268,7 @@ async def _admit_many(
         "lanes": [lanes.LANE_PREFIX + sub.release for sub in subs],
         "keys": [sub.idempotency_key for sub in subs],
         "priorities": [sub.priority for sub in subs],
-        "authorities": [
-            Jsonb(
-                stored
-                | Descriptor(
-                    org=sub.org, play=sub.play, run_id=run_id, release=sub.release
-                ).as_json()
-            )
-            for sub, run_id in zip(subs, ids, strict=True)
-        ],
+        "authorities": [Jsonb(text, dumps=_as_is) for text in texts],
     }
     if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         cur = await _execute_translated(conn, q("run_submit_many"), args)
@@ -285,6 +281,11 @@ async def _admit_many(
         Admitted(run_id=run_id, created=created, lane=lane, job_id=job_id)
         for run_id, created, lane, job_id in rows
     ]
+
+
+def _as_is(text: str) -> str:
+    """The dumps of a value that is already JSON text."""
+    return text
 
 
 async def _execute_translated(

@@ -20,8 +20,9 @@ embedded database's default derives one from its own secret (kept with mode 0600
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -66,6 +67,28 @@ class Descriptor:
             "release": self.release,
             "capabilities": list(self.capabilities),
         }
+
+    @classmethod
+    def stored_texts(
+        cls,
+        runs: Sequence[tuple[str, str, str]],
+        run_ids: Sequence[uuid.UUID],
+        extra: Mapping[str, Any],
+    ) -> list[str]:
+        """What :meth:`as_json` stores with each run, over ``extra`` (the submitter's
+        metadata), as JSON text: ``runs`` gives each run's (org, play, release) and
+        ``run_ids`` its id. A batch's runs mostly share the first three, so the text of
+        everything but the id is made once per distinct triple."""
+        shared: dict[tuple[str, str, str], str] = {}
+        out = []
+        for (org, play, release), run_id in zip(runs, run_ids, strict=True):
+            rest = shared.get((org, play, release))
+            if rest is None:
+                fields = dict(extra) | cls(org, play, run_id, release).as_json()
+                del fields["run"]
+                rest = shared[org, play, release] = json.dumps(fields)[1:]  # '"org": ...}'
+            out.append(f'{{"run": "{run_id}", {rest}')
+        return out
 
     @classmethod
     def from_json(cls, run_id: uuid.UUID, data: Mapping[str, Any]) -> Descriptor:

@@ -46,6 +46,8 @@ RELEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # A NUL escape that is not itself escaped ("\\u0000" is text, "\u0000" is U+0000): jsonb
 # refuses U+0000, so it is refused first with a message that names the field.
 _NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+# Compact JSON as jsonb stores it (no NaN, UTF-8 as is); one encoder, made once.
+_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 def text(
@@ -255,10 +257,10 @@ def encode(
     """``value`` as compact JSON text, within the size and depth limits, storable in jsonb
     (no NaN, no NUL, no lone surrogate); every refusal names the field and the rule."""
     name = what or field
-    if depth(value) > MAX_JSON_DEPTH:
-        raise _too_deep(name, field, "nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        encoded = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        encoded = _ENCODER.encode(value)
+    except RecursionError as exc:  # far deeper than the limit: the encoder's own bound
+        raise _too_deep(name, field, "nests deeper than {MAX_JSON_DEPTH} levels") from exc
     except (TypeError, ValueError) as exc:
         raise InvalidField(
             f"{name} is not JSON: {exc}",
@@ -275,6 +277,13 @@ def encode(
             rule="strings must be valid Unicode",
             fix="decode bytes with errors='replace' before sending them",
         ) from exc
+    # Each level opens a bracket, so a text with few brackets cannot nest too deep; only
+    # one with more (some may sit inside strings) is walked.
+    if (
+        encoded.count("[") + encoded.count("{") > MAX_JSON_DEPTH
+        and depth(value) > MAX_JSON_DEPTH
+    ):
+        raise _too_deep(name, field, "nests deeper than {MAX_JSON_DEPTH} levels")
     if _NUL_ESCAPE.search(encoded):
         raise InvalidField(
             f"{name} contains a NUL character",
