@@ -725,6 +725,29 @@ END;
 $$;
 
 --
+-- Name: wq_lanes_kept(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_lanes_kept() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'restrict_violation',
+        MESSAGE = format('lane %L is never %s: its runs are pinned to it', OLD.name,
+                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
+        DETAIL = json_build_object('field', 'lane',
+                                   'rule', 'a lane is reclaimed, never deleted or renamed')::text,
+        HINT = format('stop its admissions with `worker queues drain %s`, then '
+                      '`worker queues reclaim %s` once it is empty', OLD.release,
+                      OLD.release);
+END;
+$$;
+
+--
 -- Name: wq_lease_lapsed(text, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2667,6 +2690,12 @@ CREATE TRIGGER wq_events_outbox AFTER INSERT ON public.wq_events REFERENCING NEW
 CREATE TRIGGER wq_events_sequence BEFORE INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_events_sequence();
 
 --
+-- Name: wq_lanes wq_lanes_kept; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_lanes_kept BEFORE DELETE OR UPDATE OF name ON public.wq_lanes FOR EACH ROW EXECUTE FUNCTION public.wq_lanes_kept();
+
+--
 -- Name: wq_sinks wq_sinks_kept; Type: TRIGGER; Schema: public; Owner: -
 --
 
@@ -2766,13 +2795,6 @@ ALTER TABLE ONLY public.wq_progress
 
 ALTER TABLE ONLY public.wq_run_inputs
     ADD CONSTRAINT wq_run_inputs_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
-
---
--- Name: wq_runs wq_runs_lane_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
---
-
-ALTER TABLE ONLY public.wq_runs
-    ADD CONSTRAINT wq_runs_lane_fkey FOREIGN KEY (lane) REFERENCES public.wq_lanes(name);
 
 --
 -- Name: wq_write_intents wq_write_intents_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -

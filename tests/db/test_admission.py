@@ -131,6 +131,41 @@ async def test_draining_and_reclaimed_lanes_refuse_admission(tx: Conn) -> None:
     assert (await admission.submit(tx, Submission(play="noop", release=reclaimed))).created
 
 
+@pytest.mark.parametrize(
+    ("statement", "verb"),
+    [
+        ("DELETE FROM wq_lanes WHERE name = %s", "deleted"),
+        ("UPDATE wq_lanes SET name = name || '-x' WHERE name = %s", "renamed"),
+    ],
+)
+@pytest.mark.parametrize("with_runs", [True, False], ids=["with-runs", "empty"])
+async def test_a_lane_is_never_deleted_or_renamed(
+    tx: Conn, statement: str, verb: str, with_runs: bool
+) -> None:
+    """Every run's lane exists (migration 0027 holds it instead of a foreign key): a lane
+    is reclaimed, never deleted or renamed, and the refusal changes nothing."""
+    rel = release()
+    await lanes.prepare(tx, rel)
+    if with_runs:
+        await admission.submit(tx, Submission(play="noop", release=rel))
+        await admission.submit_many(tx, [Submission(play="noop", release=rel)] * 2)
+    await lanes.drain(tx, rel)
+    await lanes.reclaim(tx, rel, force=True)
+    before = await counts(tx)
+    with pytest.raises(psycopg.errors.RestrictViolation) as refused:
+        async with tx.transaction():
+            await tx.execute(statement, (f"r-{rel}",))  # type: ignore[arg-type]
+    assert f"lane 'r-{rel}' is never {verb}" in str(refused.value)
+    assert f"worker queues reclaim {rel}" in (refused.value.diag.message_hint or "")
+    assert await counts(tx) == before
+    cur = await tx.execute(
+        "SELECT count(*) FROM wq_runs r"
+        " WHERE NOT EXISTS (SELECT 1 FROM wq_lanes l WHERE l.name = r.lane)"
+    )
+    assert await cur.fetchone() == (0,)
+    await tx.execute("UPDATE wq_lanes SET concurrency = 3 WHERE name = %s", (f"r-{rel}",))
+
+
 async def test_same_key_returns_the_run_and_other_request_conflicts(tx: Conn) -> None:
     rel = release()
     await lanes.prepare(tx, rel)
