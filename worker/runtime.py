@@ -827,11 +827,19 @@ class Worker:
 
     def _lose(self, lost: Iterable[_Live]) -> None:
         for live in list(lost):
-            if live.stop_reason != "lease_lost":
-                log.warning(
-                    "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
-                )
+            if live.stop_reason == "lease_lost":
+                continue
+            if live.finishing:
+                # Its play returned and its fenced final write is under way: usually that
+                # write's commit is what ended the lease (a renewal sent just before its
+                # answer came back). The write's own answer says which (``refused`` when
+                # the lease was really taken): no warning here, only no more renewals.
                 self._stop_run(live, "lease_lost")
+                continue
+            log.warning(
+                "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
+            )
+            self._stop_run(live, "lease_lost")
 
     def _describe(self) -> list[dict[str, Any]]:
         """The attempts running now (read from the heartbeat thread for lag reports)."""
