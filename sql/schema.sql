@@ -725,29 +725,6 @@ END;
 $$;
 
 --
--- Name: wq_lanes_kept(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.wq_lanes_kept() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION USING
-        ERRCODE = 'restrict_violation',
-        MESSAGE = format('lane %L is never %s: its runs are pinned to it', OLD.name,
-                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
-        DETAIL = json_build_object('field', 'lane',
-                                   'rule', 'a lane is reclaimed, never deleted or renamed')::text,
-        HINT = format('stop its admissions with `worker queues drain %s`, then '
-                      '`worker queues reclaim %s` once it is empty', OLD.release,
-                      OLD.release);
-END;
-$$;
-
---
 -- Name: wq_lease_lapsed(text, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -772,6 +749,27 @@ CREATE FUNCTION public.wq_limit_live_holds(p_key text, p_org text, p_at timestam
 $$;
 
 --
+-- Name: wq_named_row_kept(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_named_row_kept() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
+        RETURN NEW;
+    END IF;
+    RAISE EXCEPTION USING
+        ERRCODE = 'restrict_violation',
+        MESSAGE = format('%s %L is never %s: %s', TG_ARGV[0], OLD.name,
+                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END,
+                         TG_ARGV[1]),
+        DETAIL = json_build_object('field', TG_ARGV[0], 'rule', TG_ARGV[2])::text,
+        HINT = replace(TG_ARGV[3], '{}', to_jsonb(OLD) ->> TG_ARGV[4]);
+END;
+$$;
+
+--
 -- Name: wq_notify_run_events(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -785,28 +783,6 @@ BEGIN
         PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
     END LOOP;
     RETURN NULL;
-END;
-$$;
-
---
--- Name: wq_sinks_kept(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.wq_sinks_kept() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION USING
-        ERRCODE = 'restrict_violation',
-        MESSAGE = format('sink %L is never %s: its deliveries name it', OLD.name,
-                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
-        DETAIL = json_build_object('field', 'sink',
-                                   'rule', 'a sink is disabled, never deleted or renamed')::text,
-        HINT = format('disable it with `worker sinks disable %s`; add a sink under the new '
-                      'name with `worker sinks add`', OLD.name);
 END;
 $$;
 
@@ -2693,13 +2669,13 @@ CREATE TRIGGER wq_events_sequence BEFORE INSERT ON public.wq_events FOR EACH ROW
 -- Name: wq_lanes wq_lanes_kept; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER wq_lanes_kept BEFORE DELETE OR UPDATE OF name ON public.wq_lanes FOR EACH ROW EXECUTE FUNCTION public.wq_lanes_kept();
+CREATE TRIGGER wq_lanes_kept BEFORE DELETE OR UPDATE OF name ON public.wq_lanes FOR EACH ROW EXECUTE FUNCTION public.wq_named_row_kept('lane', 'its runs are pinned to it', 'a lane is reclaimed, never deleted or renamed', 'stop its admissions with `worker queues drain {}`, then `worker queues reclaim {}` once it is empty', 'release');
 
 --
 -- Name: wq_sinks wq_sinks_kept; Type: TRIGGER; Schema: public; Owner: -
 --
 
-CREATE TRIGGER wq_sinks_kept BEFORE DELETE OR UPDATE OF name ON public.wq_sinks FOR EACH ROW EXECUTE FUNCTION public.wq_sinks_kept();
+CREATE TRIGGER wq_sinks_kept BEFORE DELETE OR UPDATE OF name ON public.wq_sinks FOR EACH ROW EXECUTE FUNCTION public.wq_named_row_kept('sink', 'its deliveries name it', 'a sink is disabled, never deleted or renamed', 'disable it with `worker sinks disable {}`; add a sink under the new name with `worker sinks add`', 'name');
 
 --
 -- Name: wq_attempts wq_tally_deleted_attempts; Type: TRIGGER; Schema: public; Owner: -

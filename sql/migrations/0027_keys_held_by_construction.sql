@@ -19,8 +19,9 @@
 -- * wq_outbox.sink, ON DELETE CASCADE, and wq_runs.lane, no delete or rename while a run
 --   refers to it: a sink is disabled and a lane reclaimed, neither is ever deleted or
 --   renamed (no command does either; the built-in progress sink always exists).
---   wq_sinks_kept and wq_lanes_kept refuse both with SQLSTATE 23001 (restrict_violation),
---   as a RESTRICT key would, so every outbox row's sink and every run's lane exists.
+--   wq_sinks_kept and wq_lanes_kept (one function, wq_named_row_kept) refuse both with
+--   SQLSTATE 23001 (restrict_violation), as a RESTRICT key would, so every outbox row's
+--   sink and every run's lane exists.
 --
 -- tests/db/test_ledger.py and tests/db/test_admission.py hold them: a run's retention
 -- takes its outbox rows, and a sink or a lane cannot be deleted or renamed.
@@ -41,41 +42,32 @@ CREATE TRIGGER wq_events_gone AFTER DELETE ON wq_events
     REFERENCING OLD TABLE AS gone
     FOR EACH STATEMENT EXECUTE FUNCTION wq_events_gone();
 
-CREATE FUNCTION wq_sinks_kept() RETURNS trigger LANGUAGE plpgsql AS $$
+-- One rule for both tables: a row that other rows name by its `name` is never deleted or
+-- renamed. The trigger's arguments: what the row is, why it is kept, the rule, and the fix,
+-- in which {} stands for the row's column named by the last argument.
+CREATE FUNCTION wq_named_row_kept() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
         RETURN NEW;
     END IF;
     RAISE EXCEPTION USING
         ERRCODE = 'restrict_violation',
-        MESSAGE = format('sink %L is never %s: its deliveries name it', OLD.name,
-                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
-        DETAIL = json_build_object('field', 'sink',
-                                   'rule', 'a sink is disabled, never deleted or renamed')::text,
-        HINT = format('disable it with `worker sinks disable %s`; add a sink under the new '
-                      'name with `worker sinks add`', OLD.name);
+        MESSAGE = format('%s %L is never %s: %s', TG_ARGV[0], OLD.name,
+                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END,
+                         TG_ARGV[1]),
+        DETAIL = json_build_object('field', TG_ARGV[0], 'rule', TG_ARGV[2])::text,
+        HINT = replace(TG_ARGV[3], '{}', to_jsonb(OLD) ->> TG_ARGV[4]);
 END;
 $$;
 
 CREATE TRIGGER wq_sinks_kept BEFORE DELETE OR UPDATE OF name ON wq_sinks
-    FOR EACH ROW EXECUTE FUNCTION wq_sinks_kept();
-
-CREATE FUNCTION wq_lanes_kept() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF TG_OP = 'UPDATE' AND NEW.name = OLD.name THEN
-        RETURN NEW;
-    END IF;
-    RAISE EXCEPTION USING
-        ERRCODE = 'restrict_violation',
-        MESSAGE = format('lane %L is never %s: its runs are pinned to it', OLD.name,
-                         CASE TG_OP WHEN 'DELETE' THEN 'deleted' ELSE 'renamed' END),
-        DETAIL = json_build_object('field', 'lane',
-                                   'rule', 'a lane is reclaimed, never deleted or renamed')::text,
-        HINT = format('stop its admissions with `worker queues drain %s`, then '
-                      '`worker queues reclaim %s` once it is empty', OLD.release,
-                      OLD.release);
-END;
-$$;
+    FOR EACH ROW EXECUTE FUNCTION wq_named_row_kept(
+        'sink', 'its deliveries name it', 'a sink is disabled, never deleted or renamed',
+        'disable it with `worker sinks disable {}`; add a sink under the new name with '
+        '`worker sinks add`', 'name');
 
 CREATE TRIGGER wq_lanes_kept BEFORE DELETE OR UPDATE OF name ON wq_lanes
-    FOR EACH ROW EXECUTE FUNCTION wq_lanes_kept();
+    FOR EACH ROW EXECUTE FUNCTION wq_named_row_kept(
+        'lane', 'its runs are pinned to it', 'a lane is reclaimed, never deleted or renamed',
+        'stop its admissions with `worker queues drain {}`, then `worker queues reclaim {}` '
+        'once it is empty', 'release');
