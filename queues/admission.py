@@ -139,13 +139,14 @@ async def submit(
     pages by the same statement. The same idempotency key with another play, other params
     or other input rows is an :class:`IdempotencyConflict`.
     """
-    validate(sub)
-    return await _admit(conn, sub, authority=authority, inputs=inputs)
+    options = validate(sub)
+    return await _admit(conn, sub, options, authority=authority, inputs=inputs)
 
 
 async def _admit(
     conn: psycopg.AsyncConnection[Any],
     sub: Submission,
+    options: RunOptions,
     *,
     authority: Mapping[str, Any] | None,
     inputs: Sequence[tuple[str, Any]] | InputPages | None,
@@ -155,7 +156,9 @@ async def _admit(
     lane = lanes.LANE_PREFIX + sub.release
     attributes = {"wq.play": sub.play, "wq.lane": lane, "wq.org": sub.org}
     with tracing.span("wq.submit", attributes=attributes) as span:
-        admitted = await _admit_statement(conn, sub, authority=authority, inputs=inputs)
+        admitted = await _admit_statement(
+            conn, sub, options, authority=authority, inputs=inputs
+        )
         tracing.annotate(span, run_id=admitted.run_id, created=admitted.created)
     return admitted
 
@@ -163,16 +166,17 @@ async def _admit(
 async def _admit_statement(
     conn: psycopg.AsyncConnection[Any],
     sub: Submission,
+    options: RunOptions,
     *,
     authority: Mapping[str, Any] | None,
     inputs: Sequence[tuple[str, Any]] | InputPages | None,
 ) -> Admitted:
-    """The atomic statement, for a submission already validated."""
+    """The atomic statement, for a submission already validated (``options``: its own,
+    as :func:`validate` checked them)."""
     lane = lanes.LANE_PREFIX + sub.release
     params = encode_params(sub.params)
     pages = inputs if isinstance(inputs, InputPages) else InputPages.of(inputs or ())
     run_id = uuid.uuid4()
-    descriptor = Descriptor(org=sub.org, play=sub.play, run_id=run_id, release=sub.release)
     args = {
         "id": run_id,
         "org": sub.org,
@@ -182,16 +186,13 @@ async def _admit_statement(
         "lane": lane,
         "key": sub.idempotency_key,
         "priority": sub.priority,
-        # The run's authority descriptor: what each attempt's tokens are minted from; and
-        # the submitter's trace context, which its attempts continue.
-        "authority": Jsonb(dict(authority or {}) | descriptor.as_json() | tracing.stored_context()),
+        "authority": _authorities([sub], [run_id], authority)[0],
         "pages": list(pages.pages) or None,
         "count": pages.count,
         "digest": pages.digest,
     }
     # A run with options of its own goes through wq_submit_with_options (wq_submit, then
     # its options, in one call); one without pays nothing for them.
-    options = sub.options()
     statement = q("run_submit")
     if not options.empty:
         statement = q("run_submit_options")
@@ -255,10 +256,6 @@ async def _admit_many(
 ) -> list[Admitted]:
     """The batch statement, for submissions already validated."""
     ids = [uuid.uuid4() for _ in subs]
-    stored = dict(authority or {}) | tracing.stored_context()
-    texts = Descriptor.stored_texts(
-        [(sub.org, sub.play, sub.release) for sub in subs], ids, stored
-    )
     args = {
         "ids": ids,
         "orgs": [sub.org for sub in subs],
@@ -268,7 +265,7 @@ async def _admit_many(
         "lanes": [lanes.LANE_PREFIX + sub.release for sub in subs],
         "keys": [sub.idempotency_key for sub in subs],
         "priorities": [sub.priority for sub in subs],
-        "authorities": [Jsonb(text, dumps=_as_is) for text in texts],
+        "authorities": _authorities(subs, ids, authority),
     }
     if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         cur = await _execute_translated(conn, q("run_submit_many"), args)
@@ -281,6 +278,17 @@ async def _admit_many(
         Admitted(run_id=run_id, created=created, lane=lane, job_id=job_id)
         for run_id, created, lane, job_id in rows
     ]
+
+
+def _authorities(
+    subs: Sequence[Submission], ids: Sequence[uuid.UUID], authority: Mapping[str, Any] | None
+) -> list[Jsonb]:
+    """Each run's authority: its descriptor (what each attempt's tokens are minted from)
+    over the submitter's metadata and trace context (which its attempts continue), as
+    JSON text made once per (org, play, release) of the batch."""
+    stored = dict(authority or {}) | tracing.stored_context()
+    texts = Descriptor.stored_texts([(s.org, s.play, s.release) for s in subs], ids, stored)
+    return [Jsonb(text, dumps=_as_is) for text in texts]
 
 
 def _as_is(text: str) -> str:
@@ -397,7 +405,7 @@ class Admitter:
         PgBouncer in transaction mode a submit holds a server connection for its one
         statement only.
         """
-        validate(sub, known_plays)
+        options = validate(sub, known_plays)
         depth = self._waiting
         started = time.perf_counter()
         self._waiting += 1
@@ -414,7 +422,7 @@ class Admitter:
                     await self.prepare_lane(held, sub.release)
                     prepare_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                admitted = await _admit(held, sub, authority=authority, inputs=inputs)
+                admitted = await _admit(held, sub, options, authority=authority, inputs=inputs)
                 insert_s = time.perf_counter() - t1
         except Exception as exc:
             log.warning(

@@ -829,16 +829,13 @@ class Worker:
         for live in list(lost):
             if live.stop_reason == "lease_lost":
                 continue
-            if live.finishing:
-                # Its play returned and its fenced final write is under way: usually that
-                # write's commit is what ended the lease (a renewal sent just before its
-                # answer came back). The write's own answer says which (``refused`` when
-                # the lease was really taken): no warning here, only no more renewals.
-                self._stop_run(live, "lease_lost")
-                continue
-            log.warning(
-                "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
-            )
+            # A finishing attempt's fenced final write is under way, and its commit is
+            # usually what ended the lease (a renewal sent just before its answer came
+            # back); that write's own answer reports a lease really taken (``refused``).
+            if not live.finishing:
+                log.warning(
+                    "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
+                )
             self._stop_run(live, "lease_lost")
 
     def _describe(self) -> list[dict[str, Any]]:
