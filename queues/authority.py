@@ -260,6 +260,9 @@ def verify(token: str | None, *, secret: str | bytes, now: datetime | None = Non
         ) from exc
 
 
+_NEVER = datetime.max.replace(tzinfo=UTC)  # an in-process attempt's claims do not expire
+
+
 def claims_of_attempt(
     descriptor: Descriptor,
     *,
@@ -278,6 +281,6 @@ def claims_of_attempt(
         attempt=attempt,
         owner=owner,
         capabilities=frozenset(descriptor.capabilities if capabilities is None else capabilities),
-        expires_at=datetime.max.replace(tzinfo=UTC),
+        expires_at=_NEVER,
         token_id="in-process",
     )

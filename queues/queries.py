@@ -40,6 +40,50 @@ class QueryFileError(ValueError):
     """A malformed query file; raised at import time."""
 
 
+_DOLLAR = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+
+
+def compact(sql: str, where: str = "query") -> str:
+    """The statement as sent: its comments, indentation and blank lines left out; quoted
+    text ('...', "...", $tag$...$tag$) kept as written.
+
+    The files are commented for readers; the server and the driver need none of it. psycopg
+    caches its parse of a query's text (finding the placeholders) only for texts of up to
+    4 KiB, and with their comments the claim and finish statements, sent many times a second
+    by every worker, were longer, so each call parsed them again. A string with backslash
+    escapes (E'...') is refused: its quotes cannot be told apart here, and no query needs
+    one."""
+    lines: list[str] = []
+    line: list[str] = []
+    dollar: re.Match[str] | None = None
+    i, n = 0, len(sql)
+    while i < n:
+        ch = sql[i]
+        if ch == "-" and sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end
+        elif ch == "\n":
+            if text := "".join(line).strip():
+                lines.append(text)
+            line = []
+            i += 1
+        elif ch in "'\"" or (ch == "$" and (dollar := _DOLLAR.match(sql, i)) is not None):
+            quote = dollar.group(0) if ch == "$" and dollar is not None else ch
+            if quote == "'" and sql[i - 1 : i] in ("e", "E") and not sql[i - 2 : i - 1].isalnum():
+                raise QueryFileError(f"{where}: an E'...' string; write it without escapes")
+            end = sql.find(quote, i + len(quote))
+            if end < 0:
+                raise QueryFileError(f"{where}: unterminated {quote}")
+            line.append(sql[i : end + len(quote)])
+            i = end + len(quote)
+        else:
+            line.append(ch)
+            i += 1
+    if text := "".join(line).strip():
+        lines.append(text)
+    return "\n".join(lines)
+
+
 def parse(text: str, source: str) -> list[Query]:
     queries: list[Query] = []
     current: dict[str, str] | None = None
@@ -48,7 +92,7 @@ def parse(text: str, source: str) -> list[Query]:
     def flush() -> None:
         if current is None:
             return
-        sql = "\n".join(body).strip()
+        sql = compact("\n".join(body), f"{source}: query {current['name']!r}")
         if not sql:
             raise QueryFileError(f"{source}: query {current['name']!r} has no SQL")
         if _POSITIONAL.search(sql):

@@ -40,6 +40,19 @@ def enabled() -> bool:
     return _trace is not None
 
 
+def _idle() -> bool:
+    """Whether a span made now would be a no-op: no tracer provider is configured (the
+    API's proxy stands in for one) and no valid trace context is current, so the span would
+    record nothing and carry no context on (a submit inside it would store none). Checked
+    per span: an application may configure its provider at any time. Skipping the span
+    then saves the API's no-op work, a tenth of a trivial attempt's Python time."""
+    assert _trace is not None
+    provider = _trace.get_tracer_provider()
+    if not isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
+        return False
+    return not _trace.get_current_span().get_span_context().is_valid
+
+
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     """Span attributes must be str, bool, int or float: everything else as text, None out."""
     out: dict[str, Any] = {}
@@ -58,9 +71,10 @@ def span(
     parent: Mapping[str, str] | None = None,
 ) -> Iterator[Any]:
     """A span around the block (the current span's child, or ``parent``'s when a stored W3C
-    carrier is given); yields it, or None without OpenTelemetry. An exception that leaves
+    carrier is given); yields it, or None without OpenTelemetry or when there is nothing to
+    trace (:func:`_idle`). An exception that leaves
     the block is recorded on the span and sets its status to error."""
-    if _trace is None or _propagate is None:
+    if _trace is None or _propagate is None or (not parent and _idle()):
         yield None
         return
     context = _propagate.extract(dict(parent)) if parent else None
@@ -110,4 +124,5 @@ def attempt_parent(authority: Mapping[str, Any] | None) -> dict[str, str] | None
 def run_attributes(
     *, run_id: Any, attempt: int | None, play: str | None, lane: str | None
 ) -> dict[str, Any]:
-    return _clean({"wq.run_id": run_id, "wq.attempt": attempt, "wq.play": play, "wq.lane": lane})
+    """A span's run attributes, as given: :func:`span` cleans them when it records one."""
+    return {"wq.run_id": run_id, "wq.attempt": attempt, "wq.play": play, "wq.lane": lane}

@@ -146,9 +146,18 @@ class RunContext:
         self._holds = 0  # permits of shared limits taken by this attempt (their names)
         self.cancel_requested = False
         self.current_step: str | None = None  # the step executing now (for lag reports)
-        self.log = structlog.get_logger("worker.play").bind(
-            run_id=str(info.run_id), attempt=info.attempt, play=info.play
-        )
+        self._log: Any = None
+
+    @property
+    def log(self) -> Any:
+        """The play's logger, bound to its run, attempt and play (made at first use: most
+        attempts never log, and binding costs a twentieth of a trivial one)."""
+        if self._log is None:
+            info = self.info
+            self._log = structlog.get_logger("worker.play").bind(
+                run_id=str(info.run_id), attempt=info.attempt, play=info.play
+            )
+        return self._log
 
     @property
     def run_id(self) -> uuid.UUID:

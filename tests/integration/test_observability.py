@@ -244,3 +244,37 @@ def test_without_opentelemetry_nothing_changes() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_without_a_tracer_provider_spans_are_skipped_and_context_still_flows() -> None:
+    """The API installed but no provider configured (the default): a span with nothing to
+    record and no context to carry is skipped; a stored submitter's context is still
+    continued (a run's children carry it on); once a provider is configured, spans record."""
+    code = (
+        "from opentelemetry import trace\n"
+        "from opentelemetry.sdk.trace import TracerProvider\n"
+        "from queues import tracing\n"
+        "with tracing.span('wq.attempt', attributes={'wq.run_id': 'r'}) as s:\n"
+        "    assert s is None and tracing.carrier() == {}\n"
+        "parent = {'traceparent': '00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'}\n"
+        "with tracing.span('wq.attempt', parent=parent) as s:\n"
+        "    assert s is not None and not s.is_recording()\n"
+        "    assert tracing.carrier()['traceparent'].split('-')[1] == "
+        "'0af7651916cd43dd8448eb211c80319c'\n"
+        "    with tracing.span('wq.step') as inner:\n"
+        "        assert inner is not None  # a context is current: carried on\n"
+        "trace.set_tracer_provider(TracerProvider())\n"
+        "with tracing.span('wq.attempt', attributes={'wq.run_id': 'r'}) as s:\n"
+        "    assert s is not None and s.is_recording()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -154,3 +154,46 @@ def test_every_real_query_file_loads_with_a_purpose() -> None:
         assert len(query.purpose) >= 5, f"{name} has no real purpose: {query.purpose!r}"
         assert query.sql.strip(), name
         assert queries.q(name) == query.sql
+
+
+def test_compact_drops_comments_and_indentation_and_keeps_quoted_text() -> None:
+    text = (
+        "-- name: thing_get :one\n-- Purpose.\n"
+        "SELECT 'a -- b''c' AS x,  -- the label\n"
+        '       "odd--name",\n'
+        "\n"
+        "       $body$ -- inside a dollar quote\n  stays $body$ AS y\n"
+        "  FROM things  -- trailing\n"
+        " WHERE id = %(id)s;\n"
+    )
+    (query,) = parse(text, "ok.sql")
+    assert query.sql == (
+        "SELECT 'a -- b''c' AS x,\n"
+        '"odd--name",\n'
+        "$body$ -- inside a dollar quote\n  stays $body$ AS y\n"
+        "FROM things\n"
+        "WHERE id = %(id)s;"
+    )
+
+
+@pytest.mark.parametrize(
+    ("sql", "match"),
+    [
+        ("SELECT E'it\\'s';", r"E'\.\.\.' string"),
+        ("SELECT 'open;", "unterminated '"),
+        ("SELECT $x$ open;", r"unterminated \$x\$"),
+    ],
+)
+def test_compact_refuses_what_it_cannot_read(sql: str, match: str) -> None:
+    with pytest.raises(QueryFileError, match=match):
+        parse(f"-- name: thing_get :one\n-- Purpose.\n{sql}\n", "bad.sql")
+
+
+def test_every_query_fits_the_drivers_parse_cache() -> None:
+    """psycopg parses a query's placeholders once per text only up to this length; a longer
+    statement is parsed again on every call (the claim and the finish run many times a
+    second). A query that grows past it should be shortened or split, knowingly."""
+    from psycopg import _queries
+
+    longest = max(queries.QUERIES.values(), key=lambda q: len(q.sql.encode()))
+    assert len(longest.sql.encode()) <= _queries.MAX_CACHED_STATEMENT_LENGTH, longest.name
