@@ -206,5 +206,25 @@ async def run_periodic_worker(
             # unregisters its worker) before the app closes.
             stop.cancel()
             task.cancel()  # procrastinate stops gracefully on cancel (finishes a pass)
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _outlive_cancel(task)
+
+
+async def _outlive_cancel(task: asyncio.Task[Any]) -> None:
+    """Wait for ``task`` to end, even when this coroutine is cancelled meanwhile (the
+    cancel is raised once it ended); its own failure is raised as awaiting it would.
+
+    Awaiting the task directly would pass a cancel of ours on to it: cancelled a second
+    time while stopping, procrastinate's worker cancels its job loop in the middle of a
+    wait and leaves that wait's tasks pending (asyncio logged "Task was destroyed but it
+    is pending!" at every worker shutdown), and the app's pool would close under its
+    unfinished shutdown."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    with contextlib.suppress(asyncio.CancelledError):  # the cancel it was asked to stop by
+        task.result()  # its own failure goes on, as awaiting it would
