@@ -95,6 +95,9 @@ SERVER_SETTINGS = (
     "max_wal_size",
 )
 UNFINISHED = "SELECT count(*) FROM wq_runs WHERE state IN ('queued', 'running', 'sleeping')"
+PENDING = (
+    "SELECT EXISTS (SELECT 1 FROM wq_runs WHERE state IN ('queued', 'running', 'sleeping'))"
+)
 # Recovery passes (procrastinate periodic jobs, one a minute) that ran in a window.
 RECOVERY_JOBS = (
     "SELECT count(*) FROM procrastinate_jobs"
@@ -216,13 +219,7 @@ class Bench:
         try:
             # Done when nothing is unfinished (the partial unfinished index: the poll itself
             # never reads the history).
-            end = await drained_at(
-                self.conn,
-                f"SELECT CASE WHEN ({UNFINISHED}) = 0 THEN 1 ELSE 0 END",
-                LAST_FINISH,
-                1,
-                self.args.phase_timeout,
-            )
+            end = await drained_at(self.conn, PENDING, LAST_FINISH, self.args.phase_timeout)
             server_s = server_cpu_s(self.postmaster) - cpu_server
             client_s = time.process_time() - cpu_client
         finally:
