@@ -55,10 +55,10 @@ def compact(sql: str, where: str = "query") -> str:
     one."""
     lines: list[str] = []
     line: list[str] = []
-    dollar: re.Match[str] | None = None
     i, n = 0, len(sql)
     while i < n:
         ch = sql[i]
+        dollar = _DOLLAR.match(sql, i) if ch == "$" else None
         if ch == "-" and sql.startswith("--", i):
             end = sql.find("\n", i)
             i = n if end < 0 else end
@@ -67,8 +67,8 @@ def compact(sql: str, where: str = "query") -> str:
                 lines.append(text)
             line = []
             i += 1
-        elif ch in "'\"" or (ch == "$" and (dollar := _DOLLAR.match(sql, i)) is not None):
-            quote = dollar.group(0) if ch == "$" and dollar is not None else ch
+        elif ch in "'\"" or dollar is not None:
+            quote = dollar.group(0) if dollar is not None else ch
             if quote == "'" and sql[i - 1 : i] in ("e", "E") and not sql[i - 2 : i - 1].isalnum():
                 raise QueryFileError(f"{where}: an E'...' string; write it without escapes")
             end = sql.find(quote, i + len(quote))
@@ -174,4 +174,3 @@ def one_statement(conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextMan
     them cannot keep the rows it locked), else in a transaction of the caller's (a
     savepoint there: a failure leaves the caller's transaction usable)."""
     return contextlib.nullcontext() if own_transaction(conn) else conn.transaction()
-

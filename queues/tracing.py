@@ -45,7 +45,7 @@ def _idle() -> bool:
     API's proxy stands in for one) and no valid trace context is current, so the span would
     record nothing and carry no context on (a submit inside it would store none). Checked
     per span: an application may configure its provider at any time. Skipping the span
-    then saves the API's no-op work, a tenth of a trivial attempt's Python time."""
+    then saves the API's no-op work, a fifth of a trivial attempt's handling."""
     assert _trace is not None
     provider = _trace.get_tracer_provider()
     if not isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
@@ -72,8 +72,8 @@ def span(
 ) -> Iterator[Any]:
     """A span around the block (the current span's child, or ``parent``'s when a stored W3C
     carrier is given); yields it, or None without OpenTelemetry or when there is nothing to
-    trace (:func:`_idle`). An exception that leaves
-    the block is recorded on the span and sets its status to error."""
+    trace (:func:`_idle`). An exception that leaves the block is recorded on the span and
+    sets its status to error."""
     if _trace is None or _propagate is None or (not parent and _idle()):
         yield None
         return

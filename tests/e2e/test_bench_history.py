@@ -5,40 +5,19 @@ called a helper whose signature had changed, and nothing ran it)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benches import run_bench
 
 
 def test_bench_history_drains_each_history_and_writes_its_results(tmp_path: Path) -> None:
     out = tmp_path / "history.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.history",
-            "--history",
-            "0,500",
-            "--runs",
-            "200",
-            "--rss-runs",
-            "400",
-            "--rss-every",
-            "200",
-            "--settle-timeout",
-            "30",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
+    run_bench(
+        "history",
+        *("--history", "0,500", "--runs", "200", "--rss-runs", "400", "--rss-every", "200"),
+        *("--settle-timeout", "30", "--out", str(out)),
         timeout=420,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     histories = results["histories"]
     assert [h["history"] for h in histories] == [0, 500]

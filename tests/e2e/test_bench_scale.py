@@ -4,35 +4,16 @@ contract (the last line is ``{"rows": [...]}`` with the documented keys)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benches import run_bench
 
 
 def test_bench_scale_prints_its_rows_as_the_last_json_line() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.scale",
-            "--hosts",
-            "1",
-            "--trivial-runs",
-            "40",
-            "--io-rounds",
-            "5",
-            "--loopback",
-            "--json",
-        ],
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
+    done = run_bench(
+        "scale",
+        *("--hosts", "1", "--trivial-runs", "40", "--io-rounds", "5", "--loopback", "--json"),
         timeout=300,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     [row] = json.loads(last)["rows"]
     assert row["hosts"] == 1 and row["network"] == "loopback"
