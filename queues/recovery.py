@@ -15,8 +15,9 @@ once and each rescue happens once (the lock order is drawn in ``sql/queries/reco
    which refuses the dead attempt's heartbeats and writes, and the next claim bumps it.
 2. **orphans**: a ``queued`` run, a due sleeper or a woken waiter with no live job (lost,
    aborted, failed transport) gets a new job; a sleeper with a cancel pending is cancelled.
-3. **retention**: terminal runs and finished run jobs past their lane's retention go, and
-   emitted events and refused-write log rows past the event retention.
+3. **retention**: terminal runs and finished run jobs past their lane's retention go, the
+   recovery ticks' own finished jobs past the shortest lane retention, and emitted events
+   and refused-write log rows past the event retention.
 4. **stranded**: lanes with unfinished runs and no live worker are reported, not touched.
 5. **claim deadlines**: runs never started by their ``start_by`` are failed
    (``START_DEADLINE_PASSED``), whether or not a worker serves their lane
@@ -47,7 +48,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues import children, lanes, limits, options, outcomes
+from queues import children, lanes, limits, options, outcomes, transport
 from queues.errors import InvalidField, did_you_mean
 from queues.lanes import LaneState, RetryPolicy
 from queues.queries import q
@@ -354,7 +355,10 @@ async def apply_retention(
         cur = await conn.execute(q("recovery_retention_runs"), {"now": now, "batch": batch})
         runs_deleted = len(await cur.fetchall())
     async with conn.transaction():
-        cur = await conn.execute(q("recovery_retention_jobs"), {"now": now, "batch": batch})
+        cur = await conn.execute(
+            q("recovery_retention_jobs"),
+            {"now": now, "batch": batch, "maintenance": transport.MAINTENANCE_QUEUE},
+        )
         jobs_deleted = len(await cur.fetchall())
     async with conn.transaction():
         cur = await conn.execute(

@@ -1245,18 +1245,21 @@ CREATE FUNCTION public.wq_transport_prune(p_lanes text[], p_cutoffs timestamp wi
     AS $$
     WITH doomed AS (
         SELECT j.id
-          FROM procrastinate_jobs j
+          FROM procrastinate_events e
+          JOIN procrastinate_jobs j ON j.id = e.job_id
           JOIN unnest(p_lanes, p_cutoffs) AS l (name, cutoff) ON l.name = j.queue_name
-         WHERE j.task_name = 'wq.run'
+         WHERE e.type IN ('succeeded', 'failed', 'cancelled', 'aborted')
+           AND e.at < (SELECT max(c) FROM unnest(p_cutoffs) AS c)
+           AND j.task_name IN ('wq.run', 'wq.recovery')
            AND j.status IN ('succeeded', 'failed', 'cancelled', 'aborted')
-           AND (SELECT max(e.at) FROM procrastinate_events e WHERE e.job_id = j.id) < l.cutoff
-         ORDER BY j.id
+           AND (SELECT max(x.at) FROM procrastinate_events x WHERE x.job_id = j.id) < l.cutoff
+           AND NOT EXISTS (SELECT FROM procrastinate_periodic_defers d WHERE d.job_id = j.id)
+         ORDER BY e.at, e.job_id
          LIMIT p_limit
            FOR UPDATE OF j SKIP LOCKED
     )
     DELETE FROM procrastinate_jobs j
-     USING doomed d
-     WHERE j.id = d.id
+     WHERE j.id = ANY (ARRAY(SELECT d.id FROM doomed d))
     RETURNING j.id
 $$;
 
@@ -2490,6 +2493,12 @@ CREATE INDEX wq_events_run_idx ON public.wq_events USING btree (run_id, id);
 --
 
 CREATE UNIQUE INDEX wq_events_run_seq_idx ON public.wq_events USING btree (run_id, seq);
+
+--
+-- Name: wq_job_events_terminal_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_job_events_terminal_idx ON public.procrastinate_events USING btree (at, job_id) WHERE (type = ANY (ARRAY['succeeded'::public.procrastinate_job_event_type, 'failed'::public.procrastinate_job_event_type, 'cancelled'::public.procrastinate_job_event_type, 'aborted'::public.procrastinate_job_event_type]));
 
 --
 -- Name: wq_jobs_lane_org_todo_idx; Type: INDEX; Schema: public; Owner: -

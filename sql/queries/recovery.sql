@@ -262,13 +262,20 @@ RETURNING r.id, r.lane;
 
 -- name: recovery_retention_jobs :many
 -- Delete a batch of finished run jobs whose last status change is past the lane's retention
--- (wq_transport_prune says how a job's age is read). A dead job a live run still points at
--- may go too: the orphan pass treats a missing job like a dead one.
+-- (wq_transport_prune says how a job's age is read), and of the recovery ticks' own jobs on
+-- the maintenance queue past the shortest retention of any lane. A dead job a live run
+-- still points at may go too: the orphan pass treats a missing job like a dead one.
+WITH cutoffs AS (
+    SELECT l.name, coalesce(%(now)s::timestamptz, now())
+                   - make_interval(secs => l.retention_s) AS cutoff
+      FROM wq_lanes l
+)
 SELECT p.id
-  FROM (SELECT array_agg(l.name) AS lanes,
-               array_agg(coalesce(%(now)s::timestamptz, now())
-                         - make_interval(secs => l.retention_s)) AS cutoffs
-          FROM wq_lanes l) c
+  FROM (SELECT array_agg(k.name) AS lanes, array_agg(k.cutoff) AS cutoffs
+          FROM (SELECT name, cutoff FROM cutoffs
+                 UNION ALL
+                SELECT %(maintenance)s, max(cutoff) FROM cutoffs) k
+         WHERE k.cutoff IS NOT NULL) c
  CROSS JOIN wq_transport_prune(c.lanes, c.cutoffs, %(batch)s) AS p (id);
 
 -- name: recovery_retention_events :one

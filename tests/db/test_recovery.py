@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import admission, lanes, outcomes, recovery, runs
+from queues import admission, lanes, outcomes, recovery, runs, transport
 from queues.errors import InvalidField, LaneReclaimed
 from queues.lanes import RetryPolicy
 from queues.outcomes import FinishStatus
@@ -426,15 +426,23 @@ async def finished_run(
     return run_id
 
 
-async def job_at(conn: Conn, name: str, status: str, at: datetime) -> int:
+async def job_at(
+    conn: Conn, name: str, status: str, at: datetime, *, task: str = "wq.run"
+) -> int:
     job_id = int(
         await one(
             conn,
-            "INSERT INTO procrastinate_jobs (queue_name, task_name, args) VALUES (%(q)s, 'wq.run',"
-            " '{}') RETURNING id",
-            {"q": name},
+            "INSERT INTO procrastinate_jobs (queue_name, task_name, args)"
+            " VALUES (%(q)s, %(task)s, '{}') RETURNING id",
+            {"q": name, "task": task},
         )
     )
+    await settle_job(conn, job_id, status, at)
+    return job_id
+
+
+async def settle_job(conn: Conn, job_id: int, status: str, at: datetime) -> None:
+    """Give a job this status, all its events dated ``at``."""
     if status != "todo":
         await conn.execute(
             "UPDATE procrastinate_jobs SET status = %(s)s::procrastinate_job_status"
@@ -445,7 +453,6 @@ async def job_at(conn: Conn, name: str, status: str, at: datetime) -> int:
         "UPDATE procrastinate_events SET at = %(at)s WHERE job_id = %(id)s",
         {"at": at, "id": job_id},
     )
-    return job_id
 
 
 async def test_retention_deletes_only_old_terminal_runs_and_jobs(conn: Conn) -> None:
@@ -501,6 +508,41 @@ async def test_retention_deletes_only_old_terminal_runs_and_jobs(conn: Conn) -> 
             )
             == 1
         )
+
+
+async def test_retention_takes_the_recovery_ticks_finished_jobs_but_the_latest(
+    conn: Conn,
+) -> None:
+    """The recovery pass is a procrastinate periodic task: a job a minute on the
+    maintenance queue. Its finished jobs past the shortest lane retention go (migration
+    0028), except the one procrastinate's periodic table still names."""
+    await lane(conn, retention_s=3600)
+    queue, task, old = transport.MAINTENANCE_QUEUE, transport.RECOVERY_TASK, T0 - timedelta(hours=2)
+    latest = int(
+        await one(
+            conn,
+            "SELECT procrastinate_defer_periodic_job_v2(%(q)s, NULL, NULL, %(t)s, 0, %(p)s, 1,"
+            " '{}')",
+            {"q": queue, "t": task, "p": transport.RECOVERY_PERIODIC_ID},
+        )
+    )
+    await settle_job(conn, latest, "succeeded", old)
+    ticks = [await job_at(conn, queue, "succeeded", old, task=task) for _ in range(2)]
+    ticks.append(await job_at(conn, queue, "failed", old, task=task))
+    kept = [
+        latest,
+        await job_at(conn, queue, "succeeded", T0 - timedelta(minutes=10), task=task),
+        await job_at(conn, queue, "doing", old, task=task),
+        await job_at(conn, queue, "succeeded", old, task="another.task"),
+    ]
+
+    report = await recovery.run_once(conn, now=T0)
+
+    assert report.deleted_jobs == 3
+    cur = await conn.execute(
+        "SELECT id FROM procrastinate_jobs WHERE id = ANY (%(ids)s)", {"ids": ticks + kept}
+    )
+    assert sorted(r[0] for r in await cur.fetchall()) == sorted(kept)
 
 
 async def test_retention_is_bounded_by_the_batch(conn: Conn) -> None:

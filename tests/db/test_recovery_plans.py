@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from queues import admission, lanes, recovery
+from queues import admission, lanes, recovery, transport
 from queues.queries import q
 
 Conn = psycopg.AsyncConnection[Any]
@@ -28,7 +28,7 @@ async def rows_read(conn: Conn) -> dict[str, int]:
     cur = await conn.execute(
         "SELECT relname::text, seq_tup_read + coalesce(idx_tup_fetch, 0)"
         " FROM pg_stat_xact_user_tables"
-        " WHERE relname IN ('procrastinate_jobs', 'wq_runs', 'wq_events')"
+        " WHERE relname IN ('procrastinate_jobs', 'procrastinate_events', 'wq_runs', 'wq_events')"
     )
     return {name: int(n) for name, n in await cur.fetchall()}
 
@@ -122,3 +122,42 @@ async def test_retention_reads_only_what_may_have_expired(conn: Conn) -> None:
     assert await cur.fetchall() == []
     read = await read_since(conn, before)
     assert read["wq_runs"] <= 10, read
+
+
+async def test_job_retention_reads_only_what_may_have_expired(conn: Conn) -> None:
+    """A pass over a history of finished jobs, none past its lane's retention, reads none
+    of them (migration 0028): the walk of the terminal events stops at the latest cutoff of
+    any lane. Before, it read every finished job and its newest event, once a minute."""
+    await lanes.prepare(conn, RELEASE)
+    await conn.execute(
+        "WITH jobs AS (INSERT INTO procrastinate_jobs (queue_name, task_name, args, status)"
+        "              SELECT %s, 'wq.run', '{}', 'succeeded' FROM generate_series(1, %s)"
+        "              RETURNING id)"
+        " INSERT INTO procrastinate_events (job_id, type) SELECT id, 'succeeded' FROM jobs",
+        (lanes.lane_name(RELEASE), BACKLOG),
+    )
+    await conn.execute("ANALYZE procrastinate_jobs, procrastinate_events")
+
+    async def prune(now: str | None) -> tuple[int, dict[str, int]]:
+        before = await rows_read(conn)
+        cur = await conn.execute(
+            q("recovery_retention_jobs"),
+            {"now": now, "batch": 100, "maintenance": transport.MAINTENANCE_QUEUE},
+        )
+        deleted = len(await cur.fetchall())
+        return deleted, await read_since(conn, before)
+
+    deleted, read = await prune(None)
+    assert deleted == 0
+    assert read["procrastinate_jobs"] <= 10 and read["procrastinate_events"] <= 10, read
+
+    # A pass a year on finds every job due: it deletes one batch and reads about that batch
+    # (each job's terminal event by the walk, its newest event, and its events again as
+    # they go with it; the job by the walk and by the delete).
+    cur = await conn.execute("SELECT (now() + interval '400 days')::text")
+    row = await cur.fetchone()
+    assert row is not None
+    deleted, read = await prune(row[0])
+    assert deleted == 100
+    assert read["procrastinate_jobs"] <= 2 * 100 + 10, read
+    assert read["procrastinate_events"] <= 3 * 100 + 10, read
