@@ -1304,7 +1304,8 @@ CREATE FUNCTION public.wq_transport_settle(p_job_ids bigint[], p_succeeded boole
         UPDATE procrastinate_jobs j
            SET status = CASE WHEN s.succeeded THEN 'succeeded'
                              ELSE 'failed' END::procrastinate_job_status,
-               attempts = j.attempts + 1
+               attempts = j.attempts + 1,
+               worker_id = NULL
           FROM unnest(p_job_ids, p_succeeded) AS s (id, succeeded)
          WHERE j.id = s.id AND j.status = 'doing'
         RETURNING 1
@@ -1352,7 +1353,8 @@ CREATE FUNCTION public.wq_transport_stop(p_job_ids bigint[]) RETURNS integer
     WITH stopped AS (
         UPDATE procrastinate_jobs j
            SET status = CASE WHEN j.status = 'todo' THEN 'cancelled'
-                             ELSE 'aborted' END::procrastinate_job_status
+                             ELSE 'aborted' END::procrastinate_job_status,
+               worker_id = NULL
          WHERE j.id = ANY (p_job_ids) AND j.status IN ('todo', 'doing')
         RETURNING 1
     )
@@ -2511,6 +2513,12 @@ CREATE INDEX wq_jobs_lane_org_todo_idx ON public.procrastinate_jobs USING btree 
 --
 
 CREATE INDEX wq_jobs_lane_todo_idx ON public.procrastinate_jobs USING btree (queue_name, priority DESC, id) WHERE (status = 'todo'::public.procrastinate_job_status);
+
+--
+-- Name: wq_jobs_worker_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_jobs_worker_idx ON public.procrastinate_jobs USING btree (worker_id) WHERE (worker_id IS NOT NULL);
 
 --
 -- Name: wq_limit_holds_bucket_idx; Type: INDEX; Schema: public; Owner: -

@@ -355,6 +355,48 @@ async def test_stop_cancels_waiting_and_aborts_delivered_jobs(conn: Conn) -> Non
     assert await scalar(conn, "SELECT wq_transport_stop(%s)", (ids,)) == 0
 
 
+async def test_a_gone_worker_takes_only_the_jobs_it_still_runs(conn: Conn) -> None:
+    """A job ended by settle or stop names no worker (migration 0029), and a worker row's
+    deletion (procrastinate prunes a stalled worker's row at each start of its own
+    worker) reads and changes only the jobs that still name it, through an index: not
+    every job in the history, nor every job the worker ran."""
+    worker = await transport.register_worker(conn)
+    ids = [job_id for job_id, _ in await spawn(conn, LANE_A, 404)]
+    assert len(await take(conn, [LANE_A], 404, worker)) == 404
+    await drop(conn, ids[:300])
+    await conn.execute("SELECT wq_transport_settle(%s, %s)", (ids[300:350], [False] * 50))
+    assert await scalar(conn, "SELECT wq_transport_stop(%s)", (ids[350:400],)) == 50
+    assert (
+        await scalar(
+            conn,
+            "SELECT count(*) FROM procrastinate_jobs WHERE id = ANY (%s) AND worker_id = %s",
+            (ids, worker),
+        )
+        == 4
+    )
+    await conn.execute("ANALYZE procrastinate_jobs")
+    counters = (
+        "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0), n_tup_upd"
+        " FROM pg_stat_xact_user_tables WHERE relname = 'procrastinate_jobs'"
+    )
+    cur = await conn.execute(counters)
+    before = await cur.fetchone()
+    await conn.execute("DELETE FROM procrastinate_workers WHERE id = %s", (worker,))
+    cur = await conn.execute(counters)
+    after = await cur.fetchone()
+    assert before is not None and after is not None
+    read, updated = after[0] - before[0], after[1] - before[1]
+    assert read <= 10 and updated == 4, (read, updated)
+    assert (
+        await scalar(
+            conn,
+            "SELECT count(*) FROM procrastinate_jobs WHERE id = ANY (%s) AND worker_id IS NOT NULL",
+            (ids,),
+        )
+        == 0
+    )
+
+
 async def test_withdraw_cancels_only_waiting_jobs(conn: Conn) -> None:
     ids = [job_id for job_id, _ in await spawn(conn, LANE_A, 2)]
     await take(conn, [LANE_A], 1)
