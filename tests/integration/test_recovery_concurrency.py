@@ -170,6 +170,65 @@ async def test_recovery_waits_for_an_in_flight_finish_then_leaves_the_run_alone(
         assert (await runs.get(conn, run_id)).state == "succeeded"
 
 
+async def finished_jobs(conn: Conn, n: int, finished_at: datetime) -> list[int]:
+    """n finished run jobs of the lane, each with its terminal event at ``finished_at``."""
+    await lanes.prepare(conn, "rec")
+    await conn.execute("UPDATE wq_lanes SET retention_s = 3600 WHERE name = 'r-rec'")
+    got = await rows(
+        conn,
+        "WITH jobs AS (INSERT INTO procrastinate_jobs (queue_name, task_name, args, status)"
+        "              SELECT 'r-rec', 'wq.run', '{}', 'succeeded' FROM generate_series(1, %(n)s)"
+        "              RETURNING id),"
+        " events AS (INSERT INTO procrastinate_events (job_id, type, at)"
+        "            SELECT id, 'succeeded', %(at)s FROM jobs)"
+        " SELECT id FROM jobs",
+        {"n": n, "at": finished_at},
+    )
+    return sorted(job_id for (job_id,) in got)
+
+
+async def prune_all(url: str, now: datetime, batch: int) -> list[int]:
+    """Retention passes on one connection until one deletes no job; the counts deleted."""
+    deleted = []
+    async with connect(url) as conn:
+        while True:
+            _, jobs, _ = await recovery.apply_retention(conn, now=now, batch=batch)
+            if not jobs:
+                return deleted
+            deleted.append(jobs)
+
+
+async def test_concurrent_job_prunes_delete_each_finished_job_once(db_url: str) -> None:
+    """Four hosts' retention passes over the same expired jobs (migration 0028's walk of
+    the terminal events): every job goes, each counted by exactly one pass."""
+    async with connect(db_url) as conn:
+        doomed = await finished_jobs(conn, 120, T0 - timedelta(hours=2))
+    results = await asyncio.gather(*(prune_all(db_url, T0, batch=7) for _ in range(4)))
+    assert sum(n for host in results for n in host) == len(doomed)
+    async with connect(db_url) as conn:
+        left = await rows(
+            conn,
+            "SELECT count(*) FROM procrastinate_jobs WHERE id = ANY (%(ids)s)",
+            {"ids": doomed},
+        )
+        assert left == [(0,)]
+
+
+async def test_a_job_held_by_another_transaction_is_skipped_by_the_prune(db_url: str) -> None:
+    async with connect(db_url) as conn:
+        held, *rest = await finished_jobs(conn, 5, T0 - timedelta(hours=2))
+    async with connect(db_url, autocommit=False) as holder, connect(db_url) as conn:
+        await holder.execute(
+            "SELECT 1 FROM procrastinate_jobs WHERE id = %(id)s FOR UPDATE", {"id": held}
+        )
+        _, deleted, _ = await asyncio.wait_for(
+            recovery.apply_retention(conn, now=T0, batch=10), DEADLINE_S
+        )
+        assert deleted == len(rest)
+        await holder.rollback()
+        assert (await recovery.apply_retention(conn, now=T0, batch=10))[1] == 1
+
+
 # ---- the CLI and the periodic task ------------------------------------------------------
 
 
