@@ -1188,6 +1188,15 @@ BEGIN
         FOR EACH ROW WHEN (new.task_name <> 'wq.run'
                            OR new.status IN ('succeeded', 'failed', 'cancelled', 'aborted'))
         EXECUTE FUNCTION procrastinate_trigger_function_status_events_update_v1();
+
+    -- The jobs that name a worker, for the key's action when a worker row is deleted.
+    IF to_regclass('wq_jobs_worker_idx') IS NULL
+       AND EXISTS (SELECT FROM pg_attribute
+                    WHERE attrelid = 'procrastinate_jobs'::regclass
+                      AND attname = 'worker_id' AND NOT attisdropped) THEN
+        CREATE INDEX wq_jobs_worker_idx ON procrastinate_jobs (worker_id)
+         WHERE worker_id IS NOT NULL;
+    END IF;
 END;
 $$;
 

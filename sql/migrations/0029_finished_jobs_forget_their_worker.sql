@@ -19,10 +19,54 @@
 -- running, and procrastinate's own jobs), which is what the key's action reads. Jobs that
 -- finished before this migration keep their worker until its row goes, once, as before.
 --
+-- A database still at procrastinate 3.0 (no worker_id yet) takes this migration before
+-- procrastinate's deltas add the column (migration 0013 says more): the function bodies are
+-- not checked here, and the index is made by wq_transport_fit, which queues.migrations
+-- calls again after every procrastinate migration it applies (migration 0026), once the
+-- column exists. A new database gets it below.
+--
 -- tests/db/test_transport_seam.py: a finished job names no worker; deleting a worker that
 -- ran many jobs reads and changes only the jobs it still runs.
+-- tests/integration/test_procrastinate_chain.py: a database brought forward from
+-- procrastinate 3.0 ends with the schema of a new one, this index included.
+SET LOCAL check_function_bodies = off;
 
-CREATE INDEX wq_jobs_worker_idx ON procrastinate_jobs (worker_id) WHERE worker_id IS NOT NULL;
+CREATE OR REPLACE FUNCTION wq_transport_fit() RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    DROP TRIGGER IF EXISTS procrastinate_jobs_notify_queue_job_inserted_v1
+        ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_jobs_notify_queue_job_inserted_v1
+        AFTER INSERT ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.status = 'todo'::procrastinate_job_status
+                           AND new.task_name <> 'wq.run')
+        EXECUTE FUNCTION procrastinate_notify_queue_job_inserted_v1();
+
+    DROP TRIGGER IF EXISTS procrastinate_trigger_status_events_insert_v1 ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_trigger_status_events_insert_v1
+        AFTER INSERT ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.status = 'todo'::procrastinate_job_status
+                           AND new.task_name <> 'wq.run')
+        EXECUTE FUNCTION procrastinate_trigger_function_status_events_insert_v1();
+
+    DROP TRIGGER IF EXISTS procrastinate_trigger_status_events_update_v1 ON procrastinate_jobs;
+    CREATE TRIGGER procrastinate_trigger_status_events_update_v1
+        AFTER UPDATE OF status ON procrastinate_jobs
+        FOR EACH ROW WHEN (new.task_name <> 'wq.run'
+                           OR new.status IN ('succeeded', 'failed', 'cancelled', 'aborted'))
+        EXECUTE FUNCTION procrastinate_trigger_function_status_events_update_v1();
+
+    -- The jobs that name a worker, for the key's action when a worker row is deleted.
+    IF to_regclass('wq_jobs_worker_idx') IS NULL
+       AND EXISTS (SELECT FROM pg_attribute
+                    WHERE attrelid = 'procrastinate_jobs'::regclass
+                      AND attname = 'worker_id' AND NOT attisdropped) THEN
+        CREATE INDEX wq_jobs_worker_idx ON procrastinate_jobs (worker_id)
+         WHERE worker_id IS NOT NULL;
+    END IF;
+END;
+$$;
+
+SELECT wq_transport_fit();
 
 CREATE OR REPLACE FUNCTION wq_transport_settle(p_job_ids bigint[], p_succeeded boolean[])
 RETURNS integer
