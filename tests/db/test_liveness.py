@@ -53,6 +53,12 @@ async def gone(conn: Conn, worker: str, at: Any) -> bool:
     return bool(row[0])
 
 
+async def session_ended(conn: Conn, at: Any = INSIDE_LEASE) -> None:
+    """Wait until the worker counts as gone at ``at``: the server ends a closed session,
+    and frees its liveness lock, just after the client's close (under load, a few ms)."""
+    await eventually(lambda: gone(conn, WORKER, at), timeout=10)
+
+
 async def state(conn: Conn, run_id: Any) -> tuple[str, int, str | None]:
     cur = await conn.execute(
         "SELECT state::text, attempt, lease_owner FROM wq_runs WHERE id = %s", (run_id,)
@@ -70,8 +76,7 @@ async def test_a_worker_is_gone_once_its_session_ends(conn: Conn, db_url: str) -
         assert not await gone(conn, WORKER, INSIDE_LEASE)  # its session holds the lock
         await runs.hold_liveness(session, WORKER)  # a reconnect takes it again: no deadlock
         assert not await gone(conn, WORKER, INSIDE_LEASE)
-    # The server ends the session (and frees its lock) just after the client's close.
-    await eventually(lambda: gone(conn, WORKER, INSIDE_LEASE), timeout=10)
+    await session_ended(conn)
     assert not await gone(conn, "someone-else", INSIDE_LEASE)  # no such worker
 
 
@@ -87,8 +92,7 @@ async def test_a_recent_beat_or_one_before_the_server_started_is_not_gone(
     now = row[0]
     # It beat just now (registration): silent for less than 10 s, so reconnecting.
     assert not await gone(conn, WORKER, now)
-    # The server frees the session's lock just after the client's close.
-    await eventually(lambda: gone(conn, WORKER, now + timedelta(seconds=11)), timeout=10)
+    await session_ended(conn, now + timedelta(seconds=11))
     # Its last beat came before the server started: a database restart, not a death.
     await conn.execute(
         "UPDATE wq_workers SET heartbeat_at = pg_postmaster_start_time() - interval '1 s'"
@@ -113,6 +117,7 @@ async def test_a_gone_workers_leases_are_rescued_before_they_lapse(conn: Conn, d
         assert dying.lapses_at > INSIDE_LEASE
         assert await recovery.rescue_gone(conn, now=INSIDE_LEASE) == []
         await mine.close()  # the worker is killed: its session ends
+        await session_ended(conn)
 
         rescued = await recovery.rescue_gone(conn, now=INSIDE_LEASE)
         assert [(r.run_id, r.attempt, r.state) for r in rescued] == [(dying.run_id, 1, "queued")]
@@ -149,6 +154,7 @@ async def test_the_rescue_is_fenced_by_the_owner_coming_back(conn: Conn, db_url:
             cur = await conn.execute(q("recovery_expired_apply"), args)
             assert await cur.fetchall() == []
         assert await state(conn, attempt.run_id) == ("running", 1, WORKER)
+    await session_ended(conn)
     async with conn.transaction():
         cur = await conn.execute(q("recovery_expired_apply"), args)
         assert len(await cur.fetchall()) == 1
