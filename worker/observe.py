@@ -91,6 +91,10 @@ async def follow(
             await listener.execute("LISTEN wq_run_events")
         try:
             while True:
+                # The run before its events: a run read terminal committed its last events
+                # with that state, so the read after it has them all (read the other way
+                # round, a run that ended between the two reads lost its last lines).
+                run = await runs.get(listener, run_id)
                 for event in await runs.events(listener, run_id, after=last_event):
                     last_event = event.seq
                     if as_json:
@@ -101,7 +105,6 @@ async def follow(
                     )
                     attempt = event.attempt or "-"
                     say(f"{event.at.isoformat()} {event.kind:<18} attempt={attempt} {detail}")
-                run = await runs.get(listener, run_id)
                 counts = await ledger.progress_counts(listener, run)
                 if counts != last_counts and counts[1] > 0:
                     last_counts = counts
