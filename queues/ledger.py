@@ -8,18 +8,21 @@ order: a reader that follows a run by seq never misses one) and an optional idem
 key: :func:`append` with a key already stored for the run stores nothing and returns the
 stored event.
 
-**The outbox** (``wq_outbox``) holds one delivery per (event, sink enabled when it was
-appended), written by a trigger in the appending transaction. Sinks (``wq_sinks``) are the
-built-in ``progress`` sink, which folds events into ``wq_progress`` (what ``worker
-observe`` reads), and HTTP endpoints, which get each event POSTed as JSON with the header
+**The progress projection** (``wq_progress``, what ``worker observe`` reads) is folded from
+the events by the statement that appends them (the built-in ``progress`` sink: a trigger,
+migration 0030): it commits with them, so it is never behind the ledger while that sink is
+enabled. Every column only moves forward, so the folds of concurrent statements converge.
+
+**The outbox** (``wq_outbox``) holds one delivery per (event, HTTP sink enabled when it was
+appended), written by the same trigger. Each event is POSTed as JSON with the header
 ``Idempotency-Key: <run_id>:<seq>``. A projector takes a batch with
 :func:`lease_deliveries` (``FOR UPDATE SKIP LOCKED``: never the same row as another
-projector), delivers it, and records the result with :func:`mark_delivered`,
-:func:`deliver_progress` or :func:`mark_failed`, each applied only while the lease is
-still the caller's. A lease that lapses mid-delivery lets another projector deliver again
-with the same key: receivers dedupe on it. Failed deliveries are retried with capped
-exponential backoff (:data:`DELIVERY_RETRY`), without limit, until delivered or the sink is
-disabled. Delivered rows stay until their run is deleted by retention (the event's cascade).
+projector), delivers it, and records the result with :func:`mark_delivered` or
+:func:`mark_failed`, each applied only while the lease is still the caller's. A lease that
+lapses mid-delivery lets another projector deliver again with the same key: receivers
+dedupe on it. Failed deliveries are retried with capped exponential backoff
+(:data:`DELIVERY_RETRY`), without limit, until delivered or the sink is disabled.
+Delivered rows stay until their run is deleted by retention (the event's cascade).
 
 The loop that drives this, and the HTTP client, live in :mod:`worker.projector`.
 """
@@ -32,7 +35,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -87,13 +89,6 @@ DEFAULT_LEASE_S = 30.0  # well above an HTTP delivery's timeout (worker.projecto
 DELIVERY_RETRY = RetryPolicy(max_attempts=2**31 - 1, base_s=1.0, cap_s=300.0, jitter=0.1)
 MAX_ERROR_LENGTH = 2000
 _BACKOFF_EXPONENT_MAX = 32  # 2^31 s is far past any cap
-
-
-class SinkKind(StrEnum):
-    """Mirrors the Postgres enum ``wq_sink_kind``."""
-
-    PROGRESS = "progress"  # built in: folds events into wq_progress
-    HTTP = "http"  # POSTs each event as JSON to the sink's URL
 
 
 # ---- the ledger --------------------------------------------------------------------------
@@ -210,7 +205,6 @@ class Delivery:
 
     id: int
     sink: str
-    sink_kind: SinkKind
     url: str | None
     attempts: int  # leases taken so far, this one included
     lease_expires_at: datetime
@@ -237,7 +231,6 @@ class Delivery:
 class _LeaseRow:
     id: int
     sink: str
-    sink_kind: str
     url: str | None
     attempts: int
     lease_expires_at: datetime
@@ -258,11 +251,9 @@ async def lease_deliveries(
     limit: int = DEFAULT_BATCH,
     lease_s: float = DEFAULT_LEASE_S,
     now: datetime | None = None,
-    *,
-    kind: SinkKind | None = None,
 ) -> list[Delivery]:
-    """Lease up to ``limit`` due deliveries of enabled sinks (of ``kind``, when given) to
-    ``owner`` for ``lease_s``, in turns across sinks.
+    """Lease up to ``limit`` due deliveries of enabled sinks to ``owner`` for ``lease_s``,
+    in turns across sinks.
 
     A due delivery is pending, and its retry time (or the lease another projector held)
     has passed. Each lease counts as an attempt.
@@ -282,7 +273,6 @@ async def lease_deliveries(
                 "limit": limit,
                 "lease_s": lease_s,
                 "now": now,
-                "kind": None if kind is None else str(kind),
             },
         )
         rows = await cur.fetchall()
@@ -290,7 +280,6 @@ async def lease_deliveries(
         Delivery(
             id=r.id,
             sink=r.sink,
-            sink_kind=SinkKind(r.sink_kind),
             url=r.url,
             attempts=r.attempts,
             lease_expires_at=r.lease_expires_at,
@@ -347,50 +336,6 @@ async def mark_failed(
         return await cur.fetchone() is not None
 
 
-async def deliver_progress(
-    conn: psycopg.AsyncConnection[Any],
-    owner: str,
-    ids: Sequence[int],
-    now: datetime | None = None,
-) -> list[int]:
-    """Deliver leased progress-sink rows: fold their events into ``wq_progress`` and mark
-    them delivered, in one statement, where ``owner`` still holds the lease; the ids."""
-    if not ids:
-        return []
-    return await _progress_deliver(conn, owner=owner, ids=list(ids), limit=len(ids), now=now)
-
-
-async def project_progress(
-    conn: psycopg.AsyncConnection[Any], limit: int = DEFAULT_BATCH, now: datetime | None = None
-) -> list[int]:
-    """Pick up to ``limit`` due deliveries of the enabled progress sinks, fold them into
-    ``wq_progress`` and mark them delivered, in one statement with no lease (the rows stay
-    locked until it commits; ``progress_deliver`` says why that is enough); the ids."""
-    if limit <= 0:
-        raise InvalidField(
-            f"cannot deliver {limit} rows",
-            field="limit",
-            rule="a positive batch",
-            fix=f"pass e.g. limit={DEFAULT_BATCH}",
-        )
-    return await _progress_deliver(conn, owner=None, ids=None, limit=limit, now=now)
-
-
-async def _progress_deliver(
-    conn: psycopg.AsyncConnection[Any],
-    *,
-    owner: str | None,
-    ids: list[int] | None,
-    limit: int,
-    now: datetime | None,
-) -> list[int]:
-    # One statement: atomic on its own (an autocommit connection commits it as it answers).
-    cur = await conn.execute(
-        q("progress_deliver"), {"owner": owner, "ids": ids, "limit": limit, "now": now}
-    )
-    return sorted(int(row[0]) for row in await cur.fetchall())
-
-
 # ---- the progress projection ---------------------------------------------------------------
 
 
@@ -412,7 +357,8 @@ class Progress:
 
 
 async def progress(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> Progress | None:
-    """A run's progress projection, or None before its first delivery."""
+    """A run's progress projection, or None when none was folded (its events were appended
+    while the progress sink was disabled, or before migration 0030 and never delivered)."""
     async with conn.cursor(row_factory=class_row(Progress)) as cur:
         await cur.execute(q("progress_get"), {"run_id": run_id})
         return await cur.fetchone()
@@ -422,8 +368,8 @@ async def progress_counts(conn: psycopg.AsyncConnection[Any], run: runs.Run) -> 
     """(rows done, rows in all) for a progress bar, from the progress projection.
 
     The total is the run's input rows or what it admitted, whichever is more. A finished
-    run whose projection is behind (or missing: no projector ran) shows its own final
-    counters, which the projection converges on.
+    run whose projection is behind or missing (its events appended while the progress sink
+    was disabled) shows its own final counters.
     """
     found = await progress(conn, run.id)
     if found is None or (run.terminal and found.behind):

@@ -693,13 +693,31 @@ $$;
 CREATE FUNCTION public.wq_events_outbox() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_progress boolean;
+    v_http boolean;
 BEGIN
-    INSERT INTO wq_outbox (event_id, sink)
-    SELECT a.id, s.name
-      FROM appended a
-     CROSS JOIN wq_sinks s
-     WHERE s.enabled
-     ORDER BY a.id, s.name;
+    -- One read of the sinks (a handful of rows): a statement with nothing to deliver
+    -- (no HTTP sink enabled, the usual case) runs no insert at all.
+    SELECT coalesce(bool_or(s.kind = 'progress'), false),
+           coalesce(bool_or(s.kind <> 'progress'), false)
+      INTO v_progress, v_http
+      FROM wq_sinks s
+     WHERE s.enabled;
+    IF v_http THEN
+        INSERT INTO wq_outbox (event_id, sink)
+        SELECT a.id, s.name
+          FROM appended a
+         CROSS JOIN wq_sinks s
+         WHERE s.enabled
+           AND s.kind <> 'progress'
+         ORDER BY a.id, s.name;
+    END IF;
+    IF v_progress THEN
+        PERFORM wq_progress_fold(array_agg(a.run_id), array_agg(a.seq), array_agg(a.attempt),
+                                 array_agg(a.kind), array_agg(a.data))
+           FROM appended a;
+    END IF;
     RETURN NULL;
 END;
 $$;
@@ -783,6 +801,72 @@ BEGIN
         PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
     END LOOP;
     RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_progress_fold(uuid[], bigint[], integer[], text[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_progress_fold(p_runs uuid[], p_seqs bigint[], p_attempts integer[], p_kinds text[], p_data jsonb[]) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    WITH folded AS (
+        SELECT e.run_id, e.seq, e.attempt,
+               CASE WHEN e.kind = 'rows_admitted'
+                         AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
+                    THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
+               CASE WHEN e.kind = 'rows_completed'
+                         AND jsonb_typeof(e.data -> 'rows_done') = 'number'
+                    THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
+               CASE e.kind
+                    WHEN 'run_created' THEN 'queued'
+                    WHEN 'run_retried' THEN 'queued'
+                    WHEN 'attempt_started' THEN 'running'
+                    WHEN 'cleanup_started' THEN 'running'
+                    WHEN 'retry_scheduled' THEN 'queued'
+                    WHEN 'run_interrupted' THEN 'queued'
+                    WHEN 'run_handed_back' THEN 'queued'
+                    WHEN 'run_sleeping' THEN 'sleeping'
+                    WHEN 'run_waiting' THEN 'sleeping'
+                    WHEN 'run_succeeded' THEN 'succeeded'
+                    WHEN 'run_failed' THEN 'failed'
+                    WHEN 'run_cancelled' THEN 'cancelled'
+                    WHEN 'lease_expired' THEN
+                        CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
+                             THEN e.data ->> 'next_state' END
+               END::wq_run_state AS state
+          FROM unnest(p_runs, p_seqs, p_attempts, p_kinds, p_data)
+               AS e (run_id, seq, attempt, kind, data)
+    ), per_run AS (
+        SELECT run_id,
+               max(seq) AS last_event_seq,
+               max(attempt) AS attempt,
+               max(rows_admitted) AS rows_admitted,
+               max(rows_done) AS rows_done,
+               (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1]
+                   AS state,
+               max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
+          FROM folded
+         GROUP BY run_id
+    )
+    INSERT INTO wq_progress AS p
+        (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
+         updated_at)
+    SELECT run_id, state, coalesce(state_seq, 0), attempt, coalesce(rows_admitted, 0),
+           coalesce(rows_done, 0), last_event_seq, clock_timestamp()
+      FROM per_run
+     ORDER BY run_id  -- progress rows are locked in run id order
+    ON CONFLICT (run_id) DO UPDATE SET
+        state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
+                     ELSE p.state END,
+        state_seq = greatest(p.state_seq, excluded.state_seq),
+        attempt = greatest(p.attempt, excluded.attempt),
+        rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
+        rows_done = greatest(p.rows_done, excluded.rows_done),
+        last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
+        updated_at = excluded.updated_at;
 END;
 $$;
 

@@ -12,8 +12,8 @@ part             count  what for
 ``listen``       1 / 0  the LISTEN session (the lanes' new jobs, cancels); 0 when the
                         worker polls (a transaction pooler, no listen URL)
 ``heartbeat``    1      lease renewal, from a thread of its own (never starved)
-``projector``    2      the ledger outbox: the progress sink and the HTTP sinks, apart
-                        (they poll every second: no LISTEN of their own)
+``projector``    1      the ledger outbox's HTTP sinks (it polls every second: no
+                        LISTEN of its own; the progress sink needs none)
 ``maintenance``  2      procrastinate's periodic-task worker (1) and the recovery pass
                         it runs once a minute (1)
 ===============  =====  ==========================================================
@@ -41,7 +41,7 @@ from queues.errors import InvalidField
 POOL_EXTRA = 3  # the claim loop, the finish loop, a suspension on an event
 POOL_MIN = 3  # the claim loop, the finish loop and one attempt statement
 HEARTBEAT = 1
-PROJECTOR = 2  # worker.projector: one connection per sink kind
+PROJECTOR = 1  # worker.projector: the HTTP sinks' deliveries
 MAINTENANCE_POOL = 1  # procrastinate's pool for its periodic-task worker (no LISTEN)
 MAINTENANCE = MAINTENANCE_POOL + 1  # and the recovery pass's own connection
 MAX_CONNECTIONS_VARIABLE = "WORKER_MAX_CONNECTIONS"

@@ -1,29 +1,28 @@
 """The projector: delivers the run ledger's outbox to its sinks (when and how).
 
-``queues.ledger`` owns what a delivery is (the lease, the fenced marks, the progress
-fold); this module owns the loop and the HTTP client. It runs inside ``worker start`` (one
-more loop of the worker) and ``worker recover --every`` (next to the recovery passes):
-no process of its own. Any number of projectors share one outbox: a lease is taken with
-``FOR UPDATE SKIP LOCKED``, so no row is delivered by two at once.
+``queues.ledger`` owns what a delivery is (the lease, the fenced marks); this module owns
+the loop and the HTTP client. It runs inside ``worker start`` (one more loop of the worker)
+and ``worker recover --every`` (next to the recovery passes): no process of its own. Any
+number of projectors share one outbox: a lease is taken with ``FOR UPDATE SKIP LOCKED``,
+so no row is delivered by two at once. The built-in progress sink needs no projector: the
+statement that appends the events folds them (``queues.ledger``).
 
-One pass (:func:`project_once`): lease a batch of due deliveries; fold the progress
-sink's into ``wq_progress`` (one statement, fenced by the lease); POST the HTTP sinks'
-events (a thread pool of its own, standard library ``urllib``, ``timeout_s`` each, no
-redirects followed) with ``Idempotency-Key: <run_id>:<seq>``; mark the 2xx answers
-delivered and record every other answer or connection error as a failure, retried with
-capped exponential backoff. A mark is applied only while the lease is still this
-projector's; a lease that lapsed mid-delivery was taken over, and the next holder delivers
-again with the same key (receivers dedupe on it).
+One pass (:func:`project_once`): lease a batch of due deliveries; POST their events (a
+thread pool of its own, standard library ``urllib``, ``timeout_s`` each, no redirects
+followed) with ``Idempotency-Key: <run_id>:<seq>``; mark the 2xx answers delivered and
+record every other answer or connection error as a failure, retried with capped
+exponential backoff. A mark is applied only while the lease is still this projector's; a
+lease that lapsed mid-delivery was taken over, and the next holder delivers again with the
+same key (receivers dedupe on it).
 
-The loop (:func:`project_forever`) is two: one for the progress sink, one for the HTTP
-sinks, each on its own connection, so a slow endpoint never delays the progress bar. Each
-LISTENs on ``wq_run_events`` (every append NOTIFYs it) and polls every ``poll_s`` as well
-(a lost notification, a retry coming due), outlives database outages (reconnecting with
-backoff) and never ends before its stop event. Inside a worker they only poll
-(``listen=False``): every append NOTIFYs every listener, so with many worker hosts the
-notifications would cost every host (and Postgres, delivering them) work per event of every
-run (``bench.scale`` measured a third less CPU per run at 8 hosts without them); the
-progress then trails by up to ``poll_s``. Behind a transaction-mode pooler they poll too.
+The loop (:func:`project_forever`), on a connection of its own, LISTENs on
+``wq_run_events`` (every append NOTIFYs it) and polls every ``poll_s`` as well (a lost
+notification, a retry coming due), outlives database outages (reconnecting with backoff)
+and never ends before its stop event. Inside a worker it only polls (``listen=False``):
+every append NOTIFYs every listener, so with many worker hosts the notifications would
+cost every host (and Postgres, delivering them) work per event of every run
+(``bench.scale`` measured a third less CPU per run at 8 hosts without them); a delivery
+then waits up to ``poll_s``. Behind a transaction-mode pooler it polls too.
 """
 
 from __future__ import annotations
@@ -66,8 +65,8 @@ _BODY_SAMPLE = 200  # characters of a failing answer kept in last_error
 class Report:
     """What one pass did."""
 
-    leased: int = 0  # taken: leased (HTTP), or picked and delivered at once (progress)
-    delivered: int = 0  # progress folds and 2xx answers recorded
+    leased: int = 0  # deliveries leased
+    delivered: int = 0  # 2xx answers recorded
     failed: int = 0  # failures recorded, each with its retry time
     lost: int = 0  # deliveries whose lease another projector took before the mark
 
@@ -113,22 +112,13 @@ async def project_once(
     lease_s: float = ledger.DEFAULT_LEASE_S,
     timeout_s: float = TIMEOUT_S,
     now: datetime | None = None,
-    kind: ledger.SinkKind | None = None,
     executor: ThreadPoolExecutor | None = None,
     rng: random.Random | None = None,
 ) -> Report:
-    """Lease a batch of due deliveries (of one kind of sink, when given), deliver them,
-    record each outcome (fenced). The progress sinks' deliveries alone (``kind``) need no
-    lease: they are picked, folded and marked in one statement."""
-    if kind is ledger.SinkKind.PROGRESS:
-        done = await ledger.project_progress(conn, limit, now=now)
-        return Report(leased=len(done), delivered=len(done))
-    leased = await ledger.lease_deliveries(conn, owner, limit, lease_s, now=now, kind=kind)
-    if not leased:
+    """Lease a batch of due deliveries, deliver them, record each outcome (fenced)."""
+    http = await ledger.lease_deliveries(conn, owner, limit, lease_s, now=now)
+    if not http:
         return Report()
-    progress = [d.id for d in leased if d.sink_kind is ledger.SinkKind.PROGRESS]
-    folded = await ledger.deliver_progress(conn, owner, progress, now=now)
-    http = [d for d in leased if d.sink_kind is ledger.SinkKind.HTTP]
     loop = asyncio.get_running_loop()
     errors = await asyncio.gather(
         *(
@@ -161,12 +151,11 @@ async def project_once(
                 error=error,
                 retry_at=retry_at.isoformat(),
             )
-    delivered = len(folded) + len(marked)
     report = Report(
-        leased=len(leased),
-        delivered=delivered,
+        leased=len(http),
+        delivered=len(marked),
         failed=failed,
-        lost=len(leased) - delivered - failed,
+        lost=len(http) - len(marked) - failed,
     )
     if report.lost:
         log.warning("delivery_lease_lost", owner=owner, deliveries=report.lost)
@@ -206,48 +195,33 @@ async def project_forever(
 ) -> int:
     """Deliver the outbox until ``stop`` is set; returns the deliveries made.
 
-    With ``listen`` each loop LISTENs on its own connection, unless ``mode`` (default:
+    With ``listen`` the loop LISTENs on its connection, unless ``mode`` (default:
     ``WORKER_POOL_MODE``) is a transaction pooler; otherwise it polls every ``poll_s``.
-
-    Two loops, each on a connection of its own: the progress sink's and the HTTP sinks',
-    so a slow or unreachable endpoint (a batch can take ``timeout_s`` per round of
-    ``concurrency`` requests) never holds back the progress ``worker observe`` shows.
-    Neither ends before ``stop`` (a failure is logged, the connection replaced after a
-    backoff), so they can run next to loops whose end means the process ends.
+    It never ends before ``stop`` (a failure is logged, the connection replaced after a
+    backoff), so it can run next to loops whose end means the process ends.
     """
     check_settings(batch=batch, lease_s=lease_s, timeout_s=timeout_s, concurrency=concurrency)
     owner = owner or default_owner("projector")
     executor = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="wq-projector")
     try:
-        # A task group, not gather: cancelled, it returns only once both loops have ended
-        # (gather returns at the first cancelled child and leaves the other running).
-        async with asyncio.TaskGroup() as group:
-            loops = [
-                group.create_task(
-                    _loop(
-                        url,
-                        stop,
-                        owner=owner,
-                        kind=kind,
-                        batch=batch,
-                        lease_s=lease_s,
-                        timeout_s=timeout_s,
-                        poll_s=poll_s,
-                        executor=executor,
-                        listen=listen,
-                        mode=mode,
-                    ),
-                    name=f"projector:{kind}",
-                )
-                for kind in ledger.SinkKind
-            ]
-        delivered = [loop.result() for loop in loops]
+        delivered = await _loop(
+            url,
+            stop,
+            owner=owner,
+            batch=batch,
+            lease_s=lease_s,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+            executor=executor,
+            listen=listen,
+            mode=mode,
+        )
     finally:
         # A delivery still in flight ends at its timeout; its lease lapses and another
         # projector delivers it again, under the same key.
         executor.shutdown(wait=False, cancel_futures=True)
-    log.info("projector_stopped", owner=owner, delivered=sum(delivered))
-    return sum(delivered)
+    log.info("projector_stopped", owner=owner, delivered=delivered)
+    return delivered
 
 
 async def _loop(
@@ -255,7 +229,6 @@ async def _loop(
     stop: asyncio.Event,
     *,
     owner: str,
-    kind: ledger.SinkKind,
     batch: int,
     lease_s: float,
     timeout_s: float,
@@ -273,7 +246,7 @@ async def _loop(
                 if listen:
                     await conn.execute(f"LISTEN {CHANNEL}")
                 if delay > 0.1:
-                    log.info("projector_reconnected", owner=owner, sinks=str(kind))
+                    log.info("projector_reconnected", owner=owner)
                 delay = 0.1
                 while not stop.is_set():
                     report = await project_once(
@@ -282,7 +255,6 @@ async def _loop(
                         limit=batch,
                         lease_s=lease_s,
                         timeout_s=timeout_s,
-                        kind=kind,
                         executor=executor,
                     )
                     delivered += report.delivered
@@ -295,7 +267,7 @@ async def _loop(
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the database went away, or a bug: never fatal here
-            log.warning("projector_failed", owner=owner, sinks=str(kind), error=repr(exc)[:300])
+            log.warning("projector_failed", owner=owner, error=repr(exc)[:300])
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
             delay = min(delay * 2, MAX_BACKOFF_S)

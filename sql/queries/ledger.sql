@@ -2,8 +2,9 @@
 --
 -- Appending: every statement that changes a run appends its event itself (see runs.sql,
 -- sheets.sql, receipts.sql, recovery.sql, wq_submit); ledger_append is the generic form.
--- The triggers of sql/migrations/0010 give each event its seq and one outbox row per
--- enabled sink, in the appending transaction.
+-- The triggers on wq_events give each event its seq and, in the appending statement, one
+-- outbox row per enabled HTTP sink and the fold of the events into wq_progress (the
+-- built-in progress sink: migration 0030).
 --
 -- Delivering: a projector leases a batch of due outbox rows (FOR UPDATE SKIP LOCKED, so
 -- projectors never take the same row), delivers them outside any transaction, and marks
@@ -12,8 +13,7 @@
 -- mid-delivery lets another projector deliver the row again, with the same
 -- Idempotency-Key; the receiver dedupes.
 --
--- Lock order: wq_outbox rows (by sink, then due time and id), then wq_progress rows in
--- run id order. Nothing here locks a run.
+-- Lock order: wq_outbox rows by sink, then due time and id. Nothing here locks a run.
 
 -- name: ledger_append :one
 -- Append an event to a run's ledger; a repeated idempotency key stores nothing.
@@ -44,8 +44,7 @@ SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
  WHERE run_id = %(run_id)s AND idempotency_key = %(key)s;
 
 -- name: outbox_lease :many
--- Lease up to N due deliveries of enabled sinks (of one kind, when given) for one owner
--- until now + lease_s; each lease counts as an attempt. Per sink, an ordered walk of
+-- Lease up to N due deliveries of enabled sinks for one owner until now + lease_s; each lease counts as an attempt. Per sink, an ordered walk of
 -- wq_outbox_due_idx that stops after N rows (a disabled sink's backlog is never scanned);
 -- then the N most due, taken in turns across sinks, so one sink's backlog never crowds out
 -- another's. SKIP LOCKED keeps projectors off each other's rows; a row leased by another
@@ -66,7 +65,6 @@ WITH picked AS (
                FOR UPDATE OF o SKIP LOCKED
            ) o
      WHERE s.enabled
-       AND (%(kind)s::wq_sink_kind IS NULL OR s.kind = %(kind)s::wq_sink_kind)
      ORDER BY turn, o.next_attempt_at, o.id
      LIMIT %(limit)s
 ), leased AS (
@@ -81,7 +79,7 @@ WITH picked AS (
      WHERE o.id = picked.id
     RETURNING o.id, o.event_id, o.sink, o.attempts, o.lease_expires_at
 )
-SELECT l.id, l.sink, s.kind::text AS sink_kind, s.url, l.attempts, l.lease_expires_at,
+SELECT l.id, l.sink, s.url, l.attempts, l.lease_expires_at,
        coalesce(%(now)s::timestamptz, now()) AS leased_at,
        e.id AS event_id, e.run_id, e.seq, e.attempt, e.kind, e.data, e.idempotency_key, e.at
   FROM leased l
@@ -116,110 +114,9 @@ UPDATE wq_outbox
    AND lease_owner = %(owner)s
 RETURNING id;
 
--- name: progress_deliver :many
--- Deliver progress-sink rows in one statement: mark them delivered and fold their events
--- into each run's wq_progress row. Either the rows of %(ids)s that %(owner)s leased
--- (fenced by the owner, as outbox_delivered), or, with %(ids)s NULL, up to %(limit)s due
--- rows of enabled progress sinks picked here, with no lease: the projector's progress
--- loop. A lease is for a delivery that leaves the database (an HTTP request outlives its
--- transaction); this one is a write in the same transaction, and the picked rows stay
--- locked (FOR UPDATE SKIP LOCKED: no other projector takes them) until it commits, so
--- each row is delivered once, in one write of it instead of two; the pick counts as an
--- attempt, as a lease does. Every column only moves forward (the state only from a
--- later state event), so any delivery order, or a replay, converges. The counters come
--- from the run totals the sheet events carry. Bounded by one batch.
-WITH picked AS (
-    SELECT o.id
-      FROM wq_sinks s
-     CROSS JOIN LATERAL (
-            SELECT o.id, o.next_attempt_at
-              FROM wq_outbox o
-             WHERE o.sink = s.name
-               AND o.status = 'pending'
-               AND o.next_attempt_at <= coalesce(%(now)s::timestamptz, now())
-             ORDER BY o.next_attempt_at, o.id
-             LIMIT %(limit)s
-               FOR UPDATE OF o SKIP LOCKED
-           ) o
-     WHERE %(ids)s::bigint[] IS NULL
-       AND s.enabled
-       AND s.kind = 'progress'
-     ORDER BY o.next_attempt_at, o.id
-     LIMIT %(limit)s
-), mine AS (
-    UPDATE wq_outbox o
-       SET status = 'delivered',
-           delivered_at = coalesce(%(now)s::timestamptz, now()),
-           lease_owner = NULL,
-           lease_expires_at = NULL,
-           last_error = NULL,
-           attempts = o.attempts + CASE WHEN %(ids)s::bigint[] IS NULL THEN 1 ELSE 0 END
-      FROM wq_sinks s
-     WHERE o.id = ANY (coalesce(%(ids)s::bigint[], ARRAY(SELECT id FROM picked)))
-       AND o.status = 'pending'
-       AND (%(ids)s::bigint[] IS NULL OR o.lease_owner = %(owner)s)
-       AND s.name = o.sink
-       AND s.kind = 'progress'
-    RETURNING o.id, o.event_id
-), folded AS (
-    SELECT e.run_id, e.seq, e.attempt,
-           CASE WHEN e.kind = 'rows_admitted'
-                     AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
-                THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
-           CASE WHEN e.kind = 'rows_completed'
-                     AND jsonb_typeof(e.data -> 'rows_done') = 'number'
-                THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
-           CASE e.kind
-                WHEN 'run_created' THEN 'queued'
-                WHEN 'run_retried' THEN 'queued'
-                WHEN 'attempt_started' THEN 'running'
-                WHEN 'cleanup_started' THEN 'running'
-                WHEN 'retry_scheduled' THEN 'queued'
-                WHEN 'run_interrupted' THEN 'queued'
-                WHEN 'run_handed_back' THEN 'queued'
-                WHEN 'run_sleeping' THEN 'sleeping'
-                WHEN 'run_waiting' THEN 'sleeping'
-                WHEN 'run_succeeded' THEN 'succeeded'
-                WHEN 'run_failed' THEN 'failed'
-                WHEN 'run_cancelled' THEN 'cancelled'
-                WHEN 'lease_expired' THEN
-                    CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
-                         THEN e.data ->> 'next_state' END
-           END::wq_run_state AS state
-      FROM mine
-      JOIN wq_events e ON e.id = mine.event_id
-), per_run AS (
-    SELECT run_id,
-           max(seq) AS last_event_seq,
-           max(attempt) AS attempt,
-           max(rows_admitted) AS rows_admitted,
-           max(rows_done) AS rows_done,
-           (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1] AS state,
-           max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
-      FROM folded
-     GROUP BY run_id
-), projected AS (
-    INSERT INTO wq_progress AS p
-        (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
-         updated_at)
-    SELECT run_id, state, coalesce(state_seq, 0), attempt, coalesce(rows_admitted, 0),
-           coalesce(rows_done, 0), last_event_seq, clock_timestamp()
-      FROM per_run
-     ORDER BY run_id  -- progress rows are locked in run id order: batches never deadlock
-    ON CONFLICT (run_id) DO UPDATE SET
-        state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
-                     ELSE p.state END,
-        state_seq = greatest(p.state_seq, excluded.state_seq),
-        attempt = greatest(p.attempt, excluded.attempt),
-        rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
-        rows_done = greatest(p.rows_done, excluded.rows_done),
-        last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
-        updated_at = excluded.updated_at
-)
-SELECT id FROM mine;
-
 -- name: progress_get :one
--- A run's progress projection, with the run's last seq (how far behind it is).
+-- A run's progress projection, with the run's last seq (behind only for events appended
+-- while the progress sink was disabled).
 SELECT p.run_id, p.state::text AS state, p.attempt, p.rows_admitted, p.rows_done,
        p.last_event_seq, p.updated_at,
        (SELECT coalesce(max(e.seq), 0) FROM wq_events e WHERE e.run_id = p.run_id)

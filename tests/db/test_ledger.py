@@ -17,8 +17,9 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
-from queues import ledger, outcomes, receipts, recovery, runs, sheets
+from queues import lanes, ledger, migrations, outcomes, receipts, recovery, runs, sheets
 from queues.errors import InvalidField, PayloadTooLarge, RunNotFound, SheetSuperseded
 from queues.receipts import Scope
 from queues.sheets import RowCompletion, RowStatus
@@ -104,7 +105,8 @@ async def test_append_refuses_reserved_kinds_bad_input_and_unknown_runs(conn: Co
 
 async def test_every_change_appends_its_event_with_a_gapless_seq(conn: Conn) -> None:
     """One run's life, each step by the real statement: the ledger has one event per change,
-    numbered 1, 2, 3, ... in order, and the outbox one delivery per event."""
+    numbered 1, 2, 3, ... in order, and each statement folded its events into the progress
+    projection (no outbox row: the progress sink is not delivered)."""
     a = await attempts.start(conn, play=PLAY)  # run_created, attempt_started
     run_id = a.run_id
     admitted = await sheets.admit_page(
@@ -161,8 +163,16 @@ async def test_every_change_appends_its_event_with_a_gapless_seq(conn: Conn) -> 
         "scope": f"run:{run_id}",
         "error": {"type": "Boom"},
     }
-    # One progress delivery per event, written with it.
-    assert await outbox(conn, run_id) == [(e.seq, "progress", "pending") for e in events]
+    assert await outbox(conn, run_id) == []
+    seen = await ledger.progress(conn, run_id)
+    assert seen is not None
+    assert (seen.state, seen.attempt, seen.rows_admitted, seen.rows_done) == (
+        "cancelled",
+        2,
+        2,
+        1,
+    )
+    assert (seen.last_event_seq, seen.ledger_seq, seen.behind) == (len(events), len(events), False)
 
 
 async def test_rows_completed_counts_match_what_the_writer_is_told(conn: Conn) -> None:
@@ -282,22 +292,17 @@ async def test_each_event_gets_a_delivery_per_enabled_sink_in_its_transaction(co
     await ledger.disable_sink(conn, "off")
     run_id = await attempts.admit(conn)
     note = await ledger.append(conn, run_id, "note", {})
-    assert await outbox(conn, run_id) == [
-        (1, "crm", "pending"),
-        (1, "progress", "pending"),
-        (note.seq, "crm", "pending"),
-        (note.seq, "progress", "pending"),
-    ]
+    assert await outbox(conn, run_id) == [(1, "crm", "pending"), (note.seq, "crm", "pending")]
+    # The progress sink is folded by the appending statement instead.
+    seen = await ledger.progress(conn, run_id)
+    assert seen is not None and (seen.state, seen.last_event_seq) == ("queued", note.seq)
 
 
 async def test_leases_and_marks_are_fenced_by_the_lease_owner(conn: Conn) -> None:
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     run_id = await attempts.admit(conn)
     leased = await ledger.lease_deliveries(conn, "p1", 10, LEASE_S, now=T0)
-    assert {(d.sink, d.event.kind, d.attempts) for d in leased} == {
-        ("crm", "run_created", 1),
-        ("progress", "run_created", 1),
-    }
+    assert {(d.sink, d.event.kind, d.attempts) for d in leased} == {("crm", "run_created", 1)}
     crm = next(d for d in leased if d.sink == "crm")
     assert crm.idempotency_key == f"{run_id}:1"
     assert crm.body()["seq"] == 1 and crm.body()["run_id"] == str(run_id)
@@ -315,8 +320,7 @@ async def test_leases_and_marks_are_fenced_by_the_lease_owner(conn: Conn) -> Non
     assert not await ledger.mark_failed(conn, "p1", crm.id, "late", T0)
     assert await ledger.mark_delivered(conn, "p2", [crm.id], now=T0) == [crm.id]
     assert await ledger.mark_delivered(conn, "p2", [crm.id], now=T0) == []  # once
-    statuses = dict((sink, status) for _, sink, status in await outbox(conn, run_id))
-    assert statuses == {"crm": "delivered", "progress": "pending"}
+    assert await outbox(conn, run_id) == [(1, "crm", "delivered")]
 
 
 async def test_a_failed_delivery_waits_out_its_backoff(conn: Conn) -> None:
@@ -355,18 +359,17 @@ async def test_a_disabled_sink_keeps_its_pending_deliveries_for_later(conn: Conn
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     run_id = await attempts.admit(conn)
     await ledger.disable_sink(conn, "crm")
-    assert {d.sink for d in await ledger.lease_deliveries(conn, "p", 10, LEASE_S, now=T0)} == {
-        "progress"
-    }
+    assert await ledger.lease_deliveries(conn, "p", 10, LEASE_S, now=T0) == []
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/new")  # enabled again
     [crm] = await ledger.lease_deliveries(conn, "p", 10, LEASE_S, now=T0)
     assert (crm.sink, crm.url, crm.event.run_id) == ("crm", "http://127.0.0.1:9/new", run_id)
 
 
 async def test_delivered_rows_go_with_their_run(conn: Conn) -> None:
+    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     run_id = await attempts.admit(conn)
     leased = await ledger.lease_deliveries(conn, "p", 10, LEASE_S, now=T0)
-    assert await ledger.deliver_progress(conn, "p", [d.id for d in leased], now=T0)
+    assert await ledger.mark_delivered(conn, "p", [d.id for d in leased], now=T0)
     await runs.cancel(conn, run_id)  # terminal now; retention deletes it later
     report = await recovery.run_once(conn, now=T0 + timedelta(days=30))
     assert report.deleted_runs >= 1
@@ -385,7 +388,7 @@ async def test_retention_takes_every_outbox_row_of_its_runs_and_no_other(conn: C
     for run_id in [*gone, kept]:
         await ledger.append(conn, run_id, "note", {})
     leased = await ledger.lease_deliveries(conn, "p", 2, LEASE_S, now=T0)
-    assert await ledger.deliver_progress(conn, "p", [d.id for d in leased], now=T0)
+    assert await ledger.mark_delivered(conn, "p", [d.id for d in leased], now=T0)
     kept_rows = await outbox(conn, kept)
     for run_id in gone:
         await runs.cancel(conn, run_id)
@@ -430,7 +433,23 @@ async def test_a_sink_is_never_deleted_or_renamed(conn: Conn, statement: str, ve
 # ---- the progress projection ---------------------------------------------------------------
 
 
-async def test_progress_converges_in_any_delivery_order_and_on_replay(conn: Conn) -> None:
+async def fold(conn: Conn, events: list[runs.Event]) -> None:
+    """Fold ``events`` into the projection as an appending statement's trigger does."""
+    await conn.execute(
+        "SELECT wq_progress_fold(%s::uuid[], %s::bigint[], %s::int[], %s::text[], %s::jsonb[])",
+        (
+            [e.run_id for e in events],
+            [e.seq for e in events],
+            [e.attempt for e in events],
+            [e.kind for e in events],
+            [Jsonb(e.data) for e in events],
+        ),
+    )
+
+
+async def test_the_projection_commits_with_the_events_and_converges_in_any_order(
+    conn: Conn,
+) -> None:
     a = await attempts.start(conn)
     version = (
         await sheets.admit_page(
@@ -454,8 +473,8 @@ async def test_progress_converges_in_any_delivery_order_and_on_replay(conn: Conn
     await runs.finish(
         conn, worker_id="w1", finishes=[outcomes.succeeded(a.run_id, a.fence.attempt, {})]
     )
-    leased = await ledger.lease_deliveries(conn, "p", 100, LEASE_S, now=T0)
-    assert [d.event.kind for d in leased] == [
+    events = await runs.events(conn, a.run_id)
+    assert [e.kind for e in events] == [
         "run_created",
         "attempt_started",
         "rows_admitted",
@@ -463,9 +482,7 @@ async def test_progress_converges_in_any_delivery_order_and_on_replay(conn: Conn
         "rows_completed",
         "run_succeeded",
     ]
-    # Newest first, one at a time: earlier events never move the projection back.
-    for delivery in reversed(leased):
-        assert await ledger.deliver_progress(conn, "p", [delivery.id], now=T0) == [delivery.id]
+    # No projector ran: every statement folded its own events.
     seen = await ledger.progress(conn, a.run_id)
     assert seen is not None
     assert (seen.state, seen.attempt, seen.rows_admitted, seen.rows_done) == (
@@ -475,11 +492,26 @@ async def test_progress_converges_in_any_delivery_order_and_on_replay(conn: Conn
         2,
     )
     assert (seen.last_event_seq, seen.ledger_seq, seen.behind) == (6, 6, False)
-    # A replay (the rows delivered again under a new lease) changes nothing.
-    await conn.execute("UPDATE wq_outbox SET status = 'pending', lease_owner = 'q'")
-    assert len(await ledger.deliver_progress(conn, "q", [d.id for d in leased], now=T0)) == 6
-    replayed = await ledger.progress(conn, a.run_id)
-    assert replayed == dataclasses.replace(seen, updated_at=replayed.updated_at if replayed else 0)
+    # Folded again, newest first one at a time, then all at once (a replay): earlier events
+    # never move the projection back.
+    for event in reversed(events):
+        await fold(conn, [event])
+    await fold(conn, events)
+    again = await ledger.progress(conn, a.run_id)
+    assert again == dataclasses.replace(seen, updated_at=again.updated_at if again else 0)
+
+
+async def test_a_rolled_back_append_leaves_the_projection_as_it_was(conn: Conn) -> None:
+    run_id = await attempts.admit(conn)
+    before = await ledger.progress(conn, run_id)
+    assert before is not None and before.last_event_seq == 1
+    with pytest.raises(ZeroDivisionError):
+        async with conn.transaction():  # a savepoint of the test's transaction
+            await ledger.append(conn, run_id, "note", {})
+            inside = await ledger.progress(conn, run_id)
+            assert inside is not None and inside.last_event_seq == 2
+            1 / 0  # noqa: B018
+    assert await ledger.progress(conn, run_id) == before
 
 
 async def test_observe_reads_the_projection_and_a_finished_run_its_own_counters(
@@ -501,15 +533,10 @@ async def test_observe_reads_the_projection_and_a_finished_run_its_own_counters(
     )
     run = await runs.get(conn, a.run_id)
     assert (run.rows_done, run.rows_total) == (1, 4)
-    # No projection at all (no projector ever ran): the run's own counters.
-    assert await ledger.progress_counts(conn, run) == (1, 4)
-    leased = await ledger.lease_deliveries(conn, "p", 100, LEASE_S, now=T0)
-    early = [d.id for d in leased if d.event.kind != "rows_completed"]
-    await ledger.deliver_progress(conn, "p", early, now=T0)
-    assert await ledger.progress_counts(conn, run) == (0, 4)  # the projection, behind
-    await ledger.deliver_progress(conn, "p", [d.id for d in leased], now=T0)
-    assert await ledger.progress_counts(conn, run) == (1, 4)
-    # Finished with its last events not projected yet: the run's own final counters.
+    assert await ledger.progress_counts(conn, run) == (1, 4)  # the projection, exact
+    # The API keeps the built-in sink enabled; the trigger checks it all the same: events
+    # appended while it is disabled are not folded, and the projection falls behind.
+    await conn.execute("UPDATE wq_sinks SET enabled = false WHERE name = 'progress'")
     await sheets.complete_rows(
         conn,
         org=ORG,
@@ -518,11 +545,100 @@ async def test_observe_reads_the_projection_and_a_finished_run_its_own_counters(
         write_version=version,
         completions=[RowCompletion("k2", {})],
     )
+    assert await ledger.progress_counts(conn, await runs.get(conn, a.run_id)) == (1, 4)
     await runs.finish(
         conn, worker_id="w1", finishes=[outcomes.succeeded(a.run_id, a.fence.attempt, {})]
     )
-    done = await runs.get(conn, a.run_id)
-    assert await ledger.progress_counts(conn, done) == (2, 4)
+    behind = await ledger.progress(conn, a.run_id)
+    assert behind is not None and behind.behind and behind.state == "running"
+    # Finished with its last events not folded: the run's own final counters.
+    assert await ledger.progress_counts(conn, await runs.get(conn, a.run_id)) == (2, 4)
+    # A run admitted while it is disabled has no projection at all, and no outbox row.
+    other = await attempts.admit(conn)
+    assert await ledger.progress(conn, other) is None
+    assert await outbox(conn, other) == []
+    fresh = await runs.get(conn, other)
+    assert await ledger.progress_counts(conn, fresh) == (fresh.rows_done, fresh.rows_total)
+
+
+async def test_migration_0030_folds_the_progress_deliveries_left_pending(conn: Conn) -> None:
+    """A database upgraded with progress-sink rows still pending (the projector's backlog
+    before 0030): the migration folds them and marks them delivered, and leaves the other
+    sinks' rows alone."""
+    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
+    a = await attempts.start(conn)
+    # What a database before 0030 held: a pending progress row per event, no projection.
+    await conn.execute("DELETE FROM wq_progress WHERE run_id = %s", (a.run_id,))
+    await conn.execute(
+        "INSERT INTO wq_outbox (event_id, sink)"
+        " SELECT id, 'progress' FROM wq_events WHERE run_id = %s",
+        (a.run_id,),
+    )
+    [migration] = [m for m in migrations.code_migrations() if m.number == 30]
+    head, tail = migration.sql.split("\nSELECT wq_progress_fold", 1)
+    assert "CREATE OR REPLACE FUNCTION wq_events_outbox" in head
+    await conn.execute(("SELECT wq_progress_fold" + tail).encode())
+    seen = await ledger.progress(conn, a.run_id)
+    assert seen is not None
+    assert (seen.state, seen.attempt, seen.last_event_seq, seen.behind) == ("running", 1, 2, False)
+    assert await outbox(conn, a.run_id) == [
+        (1, "crm", "pending"),
+        (1, "progress", "delivered"),
+        (2, "crm", "pending"),
+        (2, "progress", "delivered"),
+    ]
+
+
+async def test_concurrent_appends_to_one_run_leave_an_exact_projection(db_url: str) -> None:
+    """Real connections, committed rows: four connections append to one run at once; the
+    projection ends at the ledger's last event, whatever order they committed in."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as setup:
+        run_id = await attempts.admit(setup)
+
+    async def appender(n: int) -> None:
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            for i in range(25):
+                await ledger.append(c, run_id, "note", {"n": n, "i": i})
+
+    await asyncio.gather(*(appender(n) for n in range(4)))
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as check:
+        seen = await ledger.progress(check, run_id)
+    assert seen is not None
+    assert (seen.last_event_seq, seen.ledger_seq, seen.behind) == (101, 101, False)
+
+
+async def test_concurrent_claims_fold_their_runs_without_waiting_on_each_other(
+    db_url: str,
+) -> None:
+    """Real connections, committed rows: four workers claim one lane's 40 runs in batches
+    of 7 at once; each claim folds its runs (in run id order); every run is claimed once and
+    its projection says running, at its attempt_started event."""
+    release = f"progress-race-{uuid.uuid4().hex[:8]}"
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as setup:
+        admitted = {await attempts.admit(setup, release=release) for _ in range(40)}
+
+    async def worker(n: int) -> list[uuid.UUID]:
+        got: list[uuid.UUID] = []
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
+            while claimed := await runs.claim(
+                c,
+                lanes=[lanes.lane_name(release)],
+                worker_id=f"w{n}",
+                limit=7,
+                plays=[PLAY],
+            ):
+                got += [r.run_id for r in claimed if r.claimed]
+        return got
+
+    taken = [
+        run_id for got in await asyncio.gather(*(worker(n) for n in range(4))) for run_id in got
+    ]
+    assert sorted(taken) == sorted(admitted)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as check:
+        for run_id in admitted:
+            seen = await ledger.progress(check, run_id)
+            assert seen is not None
+            assert (seen.state, seen.attempt, seen.last_event_seq) == ("running", 1, 2)
 
 
 # ---- sinks ---------------------------------------------------------------------------------
@@ -554,7 +670,7 @@ async def test_sinks_are_added_updated_listed_and_disabled(conn: Conn) -> None:
             await ledger.add_sink(conn, name, url)
 
 
-async def test_sinks_take_turns_and_a_lease_can_take_one_kind(conn: Conn) -> None:
+async def test_sinks_take_turns(conn: Conn) -> None:
     """A sink with a backlog of older deliveries does not crowd out another sink."""
     await ledger.add_sink(conn, "backlog", "http://127.0.0.1:9/a")
     run_id = await attempts.admit(conn)
@@ -562,95 +678,8 @@ async def test_sinks_take_turns_and_a_lease_can_take_one_kind(conn: Conn) -> Non
         await ledger.append(conn, run_id, "note", {"i": i})
     await ledger.add_sink(conn, "fresh", "http://127.0.0.1:9/b")  # gets only the next event
     await ledger.append(conn, run_id, "note", {"i": 5})
-    http = await ledger.lease_deliveries(conn, "p", 2, LEASE_S, now=T0, kind=ledger.SinkKind.HTTP)
-    assert sorted(d.sink for d in http) == ["backlog", "fresh"]
-    assert {d.sink_kind for d in http} == {ledger.SinkKind.HTTP}
-    progress = await ledger.lease_deliveries(
-        conn, "p", 100, LEASE_S, now=T0, kind=ledger.SinkKind.PROGRESS
-    )
-    assert [d.event.seq for d in progress] == list(range(1, 8))
-    assert {d.sink for d in progress} == {"progress"}
-
-
-# ---- the progress loop: pick, fold and mark in one statement ------------------------------
-
-
-async def progress_rows(conn: Conn, run_id: uuid.UUID) -> list[tuple[int, str, int]]:
-    """(seq, status, attempts) of a run's progress-sink outbox rows."""
-    cur = await conn.execute(
-        "SELECT e.seq, o.status::text, o.attempts FROM wq_outbox o"
-        " JOIN wq_events e ON e.id = o.event_id"
-        " WHERE e.run_id = %s AND o.sink = 'progress' ORDER BY e.seq",
-        (run_id,),
-    )
-    return [(int(seq), str(status), int(n)) for seq, status, n in await cur.fetchall()]
-
-
-async def test_the_progress_loop_delivers_due_rows_in_one_statement_without_a_lease(
-    conn: Conn,
-) -> None:
-    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
-    run_id = await attempts.admit(conn)
-    note = await ledger.append(conn, run_id, "note", {})
-    done = await ledger.project_progress(conn, 10, now=T0)
-    assert len(done) == 2
-    assert await progress_rows(conn, run_id) == [(1, "delivered", 1), (note.seq, "delivered", 1)]
-    statuses = {(seq, sink): status for seq, sink, status in await outbox(conn, run_id)}
-    assert statuses[(1, "crm")] == "pending"  # an HTTP sink's rows wait for their loop
-    progress = await ledger.progress(conn, run_id)
-    assert progress is not None
-    assert (progress.state, progress.last_event_seq) == ("queued", note.seq)
-    assert await ledger.project_progress(conn, 10, now=T0) == []  # once
-
-
-async def test_the_progress_loop_leaves_leased_rows_until_their_lease_lapses(conn: Conn) -> None:
-    run_id = await attempts.admit(conn)
-    [leased] = await ledger.lease_deliveries(
-        conn, "p1", 10, LEASE_S, now=T0, kind=ledger.SinkKind.PROGRESS
-    )
-    assert await ledger.project_progress(conn, 10, now=T0) == []
-    later = T0 + timedelta(seconds=LEASE_S + 1)
-    assert await ledger.project_progress(conn, 10, now=later) == [leased.id]
-    assert await ledger.deliver_progress(conn, "p1", [leased.id], now=later) == []  # lapsed
-    assert await progress_rows(conn, run_id) == [(1, "delivered", 2)]
-
-
-async def test_the_progress_loop_skips_a_disabled_sink_and_bounds_its_batch(conn: Conn) -> None:
-    for _ in range(3):
-        await attempts.admit(conn)
-    assert len(await ledger.project_progress(conn, 2, now=T0)) == 2
-    # The API keeps the built-in sink enabled; the statement checks it all the same.
-    await conn.execute("UPDATE wq_sinks SET enabled = false WHERE name = 'progress'")
-    assert await ledger.project_progress(conn, 10, now=T0) == []
-    with pytest.raises(InvalidField, match="limit"):
-        await ledger.project_progress(conn, 0)
-
-
-async def test_two_progress_loops_deliver_each_row_once(db_url: str) -> None:
-    """Real connections, committed rows: two loops racing over one backlog split it."""
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as setup:
-        for _ in range(40):
-            await attempts.admit(setup)
-        cur = await setup.execute("SELECT count(*) FROM wq_outbox WHERE sink = 'progress'")
-        row = await cur.fetchone()
-        assert row is not None
-        backlog = int(row[0])
-
-    async def loop() -> list[int]:
-        got: list[int] = []
-        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as c:
-            while batch := await ledger.project_progress(c, 3):
-                got += batch
-                await asyncio.sleep(0)
-        return got
-
-    first, second = await asyncio.gather(loop(), loop())
-    assert first and second  # both took part
-    assert not set(first) & set(second)
-    assert len(first) + len(second) == backlog
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as check:
-        cur = await check.execute(
-            "SELECT count(*) FILTER (WHERE status = 'delivered' AND attempts = 1), count(*)"
-            " FROM wq_outbox WHERE sink = 'progress'"
-        )
-        assert await cur.fetchone() == (backlog, backlog)
+    turns = await ledger.lease_deliveries(conn, "p", 2, LEASE_S, now=T0)
+    assert sorted(d.sink for d in turns) == ["backlog", "fresh"]
+    rest = await ledger.lease_deliveries(conn, "p", 100, LEASE_S, now=T0)
+    assert [d.event.seq for d in rest] == list(range(2, 8))
+    assert {d.sink for d in rest} == {"backlog"}

@@ -272,14 +272,14 @@ def test_a_cap_below_the_minimum_is_refused() -> None:
     assert "heartbeat" in (refused.value.rule or "")
     polling = connections.plan(16, listening=False, cap=connections.minimum(listening=False))
     assert polling.pool == connections.POOL_MIN and polling.listen == 0
-    assert connections.plan(16, listening=True).total == 16 + 3 + 6
+    assert connections.plan(16, listening=True).total == 16 + 3 + 5
 
 
 def test_the_cli_refuses_a_cap_below_the_minimum_before_connecting() -> None:
     env = dict(os.environ, WORKER_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
     env.pop("WORKER_MAX_CONNECTIONS", None)
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "worker"), "start", "--max-connections", "8"],
+        [str(Path(sys.executable).parent / "worker"), "start", "--max-connections", "7"],
         env=env,
         capture_output=True,
         text=True,
@@ -288,4 +288,4 @@ def test_the_cli_refuses_a_cap_below_the_minimum_before_connecting() -> None:
     )
     assert done.returncode == 2, done.stderr
     assert "error[CONNECTION_BUDGET_TOO_SMALL]" in done.stderr
-    assert "at least 9" in done.stderr
+    assert "at least 8" in done.stderr

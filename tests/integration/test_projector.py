@@ -34,7 +34,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from queues import admission, lanes, ledger, runs
 from queues.sheets import Disposition, RowCompletion
 from tests.attempts import T0
-from tests.workers import eventually, fetch, running_worker, submit
+from tests.workers import eventually, running_worker, submit
 from worker import observe, projector
 from worker.cli import ledger as cli_ledger
 from worker.context import RunContext
@@ -167,7 +167,7 @@ async def test_two_projectors_racing_never_deliver_a_row_twice(db_url: str) -> N
     # Both took part, every delivery was made by one of them, and the receiver got each
     # event exactly once, with its key.
     assert one > 0 and two > 0
-    assert one + two == 2 * len(events)  # the crm and progress deliveries of each event
+    assert one + two == len(events)  # the crm delivery of each event
     keys = receiver.keys()
     assert keys == Counter({f"{e.run_id}:{e.seq}": 1 for e in events})
     for key, body in receiver.requests:
@@ -228,12 +228,10 @@ async def test_redirects_and_connection_errors_are_failed_deliveries(db_url: str
             errors = {
                 sink: error
                 for sink, error in await (
-                    await conn.execute(
-                        "SELECT sink, last_error FROM wq_outbox WHERE sink <> 'progress'"
-                    )
+                    await conn.execute("SELECT sink, last_error FROM wq_outbox")
                 ).fetchall()
             }
-    assert (report.leased, report.delivered, report.failed) == (3, 1, 2)
+    assert (report.leased, report.delivered, report.failed) == (2, 0, 2)
     assert errors["moved"].startswith("HTTP 302")  # never followed: POSTed once, not delivered
     assert moved.keys().total() == 1 and not moved.applied
     assert errors["nobody"].startswith("connection failed")
@@ -541,28 +539,28 @@ async def test_worker_sinks_add_list_disable(db_url: str) -> None:
 
 
 async def test_worker_recover_every_projects_the_outbox_alongside(db_url: str) -> None:
-    recoverer = await asyncio.create_subprocess_exec(
-        WORKER,
-        "recover",
-        "--every",
-        "60s",
-        env=_env(db_url),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        run_id = await submit(db_url, "p", release="rec")
+    with receiving() as receiver:
+        async with connect(db_url) as conn:
+            await ledger.add_sink(conn, "rec-hook", receiver.url)
+        recoverer = await asyncio.create_subprocess_exec(
+            WORKER,
+            "recover",
+            "--every",
+            "60s",
+            env=_env(db_url),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            run_id = await submit(db_url, "p", release="rec")
 
-        async def projected() -> bool:
-            rows = await fetch(
-                db_url, "SELECT state::text FROM wq_progress WHERE run_id = %s", (run_id,)
-            )
-            return rows == [("queued",)]
+            async def delivered() -> bool:
+                return receiver.keys()[f"{run_id}:1"] == 1
 
-        await eventually(projected, timeout=DEADLINE_S)
-    finally:
-        recoverer.send_signal(signal.SIGTERM)
-        _, err = await asyncio.wait_for(recoverer.communicate(), DEADLINE_S)
+            await eventually(delivered, timeout=DEADLINE_S)
+        finally:
+            recoverer.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(recoverer.communicate(), DEADLINE_S)
     assert recoverer.returncode == 0, err.decode()[-2000:]
 
 
@@ -599,17 +597,17 @@ async def test_each_role_does_its_part_of_the_ledger_and_no_more(db_url: str) ->
         login_as(db_url, "wq_worker") as working,
         login_as(db_url, "wq_reader") as reading,
     ):
-        # Admission appends run_created and its deliveries (the submit function's rights).
+        # Admission appends run_created and folds it (the submit function's rights).
         async with connect(admitting) as conn:
             admitted = await admission.submit(conn, admission.Submission(play="p", release="roles"))
         run_id = admitted.run_id
-        # The worker role appends, configures sinks and projects.
+        # The worker role appends (and folds), configures sinks and projects: the note's
+        # delivery is leased, refused by the closed port and recorded as failed.
         async with connect(working) as conn:
             await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/never")
-            await ledger.disable_sink(conn, "crm")
             await ledger.append(conn, run_id, "note", {})
-            report = await projector.project_once(conn, "w")
-            assert (report.leased, report.delivered) == (2, 2)
+            report = await projector.project_once(conn, "w", timeout_s=2.0)
+            assert (report.leased, report.failed) == (1, 1)
         # The reader reads the ledger and the projection, and changes nothing.
         lines: list[str] = []
         assert (
