@@ -12,6 +12,8 @@ stored event.
 the events by the statement that appends them (the built-in ``progress`` sink: a trigger,
 migration 0030): it commits with them, so it is never behind the ledger while that sink is
 enabled. Every column only moves forward, so the folds of concurrent statements converge.
+A run's ``run_created`` is not folded: admission writes no progress row, and a run without
+one is queued with no rows (the row appears with the run's next event).
 
 **The outbox** (``wq_outbox``) holds one delivery per (event, HTTP sink enabled when it was
 appended), written by the same trigger. Each event is POSTed as JSON with the header
@@ -357,8 +359,9 @@ class Progress:
 
 
 async def progress(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> Progress | None:
-    """A run's progress projection, or None when none was folded (its events were appended
-    while the progress sink was disabled, or before migration 0030 and never delivered)."""
+    """A run's progress projection, or None when none was folded: a run whose one event is
+    its ``run_created`` (admission writes no progress row; the run is queued, no rows), or
+    whose events were appended while the progress sink was disabled."""
     async with conn.cursor(row_factory=class_row(Progress)) as cur:
         await cur.execute(q("progress_get"), {"run_id": run_id})
         return await cur.fetchone()

@@ -716,7 +716,9 @@ BEGIN
     IF v_progress THEN
         PERFORM wq_progress_fold(array_agg(a.run_id), array_agg(a.seq), array_agg(a.attempt),
                                  array_agg(a.kind), array_agg(a.data))
-           FROM appended a;
+           FROM appended a
+          WHERE a.kind <> 'run_created'
+         HAVING count(*) > 0;  -- an admission's statement: no call at all
     END IF;
     RETURN NULL;
 END;
@@ -854,8 +856,9 @@ BEGIN
     INSERT INTO wq_progress AS p
         (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
          updated_at)
-    SELECT run_id, state, coalesce(state_seq, 0), attempt, coalesce(rows_admitted, 0),
-           coalesce(rows_done, 0), last_event_seq, clock_timestamp()
+    SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
+           coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
+           clock_timestamp()
       FROM per_run
      ORDER BY run_id  -- progress rows are locked in run id order
     ON CONFLICT (run_id) DO UPDATE SET

@@ -15,6 +15,12 @@
 -- (wq_progress_fold: the same fold as the projector's, columns that only move forward).
 -- The projection is exact at every commit: it commits with the events or not at all.
 --
+-- A run's first event, run_created (seq 1, from its admission), is not folded: what it
+-- says (queued, no rows) is what a run without a projection row is, and admission is the
+-- one write on a submitter's path, so it writes no progress row (nor any outbox row while
+-- no HTTP sink is enabled). The row appears with the run's next event; a first row whose
+-- events set no state takes run_created's (queued, seq 1).
+--
 -- Lock order: every append but a run's first (run_created, from the statement that makes
 -- the run) takes the run's ledger lock (wq_events_sequence) before its progress row, and
 -- holds it to commit, so two transactions never wait on each other for a progress row:
@@ -75,8 +81,9 @@ BEGIN
     INSERT INTO wq_progress AS p
         (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
          updated_at)
-    SELECT run_id, state, coalesce(state_seq, 0), attempt, coalesce(rows_admitted, 0),
-           coalesce(rows_done, 0), last_event_seq, clock_timestamp()
+    SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
+           coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
+           clock_timestamp()
       FROM per_run
      ORDER BY run_id  -- progress rows are locked in run id order
     ON CONFLICT (run_id) DO UPDATE SET
@@ -115,7 +122,9 @@ BEGIN
     IF v_progress THEN
         PERFORM wq_progress_fold(array_agg(a.run_id), array_agg(a.seq), array_agg(a.attempt),
                                  array_agg(a.kind), array_agg(a.data))
-           FROM appended a;
+           FROM appended a
+          WHERE a.kind <> 'run_created'
+         HAVING count(*) > 0;  -- an admission's statement: no call at all
     END IF;
     RETURN NULL;
 END;

@@ -501,17 +501,22 @@ async def test_the_projection_commits_with_the_events_and_converges_in_any_order
     assert again == dataclasses.replace(seen, updated_at=again.updated_at if again else 0)
 
 
-async def test_a_rolled_back_append_leaves_the_projection_as_it_was(conn: Conn) -> None:
+async def test_admission_writes_no_projection_and_the_next_event_starts_it(conn: Conn) -> None:
+    """run_created is not folded: a run without a progress row is queued with no rows. The
+    row comes with the run's next event, and goes with it when that rolls back."""
     run_id = await attempts.admit(conn)
-    before = await ledger.progress(conn, run_id)
-    assert before is not None and before.last_event_seq == 1
+    assert await ledger.progress(conn, run_id) is None
+    run = await runs.get(conn, run_id)
+    assert await ledger.progress_counts(conn, run) == (0, 0)
     with pytest.raises(ZeroDivisionError):
         async with conn.transaction():  # a savepoint of the test's transaction
             await ledger.append(conn, run_id, "note", {})
             inside = await ledger.progress(conn, run_id)
-            assert inside is not None and inside.last_event_seq == 2
+            assert inside is not None
+            # No state event folded: run_created's state, at its seq.
+            assert (inside.state, inside.last_event_seq, inside.behind) == ("queued", 2, False)
             1 / 0  # noqa: B018
-    assert await ledger.progress(conn, run_id) == before
+    assert await ledger.progress(conn, run_id) is None
 
 
 async def test_observe_reads_the_projection_and_a_finished_run_its_own_counters(
