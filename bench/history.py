@@ -11,7 +11,7 @@ fresh database:
 3. synthesize H more finished runs by set-based SQL (``INSERT ... SELECT FROM
    generate_series`` in chunks of ``--chunk``, as the migration owner): every row of a
    reference run (its ``wq_runs`` row, attempt, ledger events with their stored per-run
-   ``seq``, delivered outbox rows, progress row, procrastinate's succeeded job and its
+   ``seq``, outbox rows if any, progress row, procrastinate's succeeded job and its
    events) is copied with a new run id, job id, event ids and timestamps shifted into the
    past (one run every 2 ms, ending before the reference runs). The chunks run with
    ``session_replication_role = replica`` (the session's, not the server's), so no trigger
@@ -182,8 +182,8 @@ class Bench:
         return int(await scalar(self.conn, UNFINISHED))
 
     async def reference_runs(self, n: int) -> None:
-        """n real runs, admitted and drained by the real worker, with every outbox row
-        delivered and projected: what a real finished run leaves."""
+        """n real runs, admitted and drained by the real worker, finished and projected
+        (and every outbox row delivered, if there are any): what a real finished run leaves."""
         await self.submit(n)
         worker = self.worker()
         task = asyncio.create_task(worker.run())
