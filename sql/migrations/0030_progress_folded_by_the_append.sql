@@ -5,9 +5,9 @@
 -- included, and a loop of the projector picked the progress rows, folded their events into
 -- wq_progress and marked them delivered. Per trivial run that is three outbox rows written
 -- twice (insert, then the delivered mark), with their index entries, and a polling
--- statement a second per worker, to keep a table that lives in the same database: about a
--- sixth of a trivial run's server CPU in a drain (queues.ledger's docstring has the
--- measurement), a connection per worker, and a progress bar that trailed by up to a poll.
+-- statement a second per worker, to keep a table that lives in the same database: a tenth
+-- to a fifth of a trivial run's server CPU in a drain (bench/README.md, "The progress
+-- projection folded"), a connection per worker, and a progress bar that trailed by a poll.
 --
 -- Now wq_events_outbox (the AFTER INSERT statement trigger that already ran in the
 -- appending transaction) writes outbox rows for the other sinks only, and, while the
