@@ -38,7 +38,11 @@ WITH taken AS (
            available_at = NULL,
            updated_at = now()
       FROM taken, wq_lanes l
-     WHERE r.id = taken.run_id
+     -- The taken jobs' runs by key (the array), whatever the size of the history: joined
+     -- only, the generic plan read all of wq_runs per claim while it held a few thousand
+     -- runs (tests/db/test_claim_plans.py).
+     WHERE r.id = ANY (ARRAY(SELECT taken.run_id FROM taken))
+       AND r.id = taken.run_id
        AND l.name = r.lane
        AND r.job_id = taken.id
        -- The state as text, here and in `unknown`: no index matches it, so the runs are
@@ -102,7 +106,8 @@ WITH taken AS (
            finished_at = now(),
            updated_at = now()
       FROM taken
-     WHERE r.id = taken.run_id
+     WHERE r.id = ANY (ARRAY(SELECT taken.run_id FROM taken))  -- by key, as above
+       AND r.id = taken.run_id
        AND r.job_id = taken.id
        AND (r.state::text = 'queued'
             OR (r.state::text = 'sleeping' AND r.cancel_requested_at IS NULL))
