@@ -18,9 +18,11 @@ SELECT run_id, created, lane, job_id
 -- Take up to N due jobs of the lanes and start a new attempt on each of their runs.
 -- A delivery whose run is terminal, leased, sleeping with a cancel pending, or not pointing
 -- at this job is returned as dropped (claimed = false), and so is one whose run was
--- admitted after this statement's snapshot (the transport takes jobs in a later one):
--- job_drop sends that one back to its lane. A queued run with a cancel pending is claimed
--- as a cleanup-only attempt (its lease lapsed before its cleanup hooks ran).
+-- admitted after this statement's snapshot (the transport takes jobs in a later one), or
+-- whose play this release does not have, or that was not started by its claim deadline:
+-- job_drop settles those (back to the lane; failed at once; acknowledged). A queued run
+-- with a cancel pending is claimed as a cleanup-only attempt (its lease lapsed before its
+-- cleanup hooks ran).
 WITH taken AS (
     -- The transport's ordered, SKIP LOCKED walk of each lane's due jobs; a run id that is
     -- not a UUID comes back NULL (dropped). Read to the end below, by the final SELECT.
@@ -86,40 +88,6 @@ WITH taken AS (
                     WHERE a.run_id = r.id AND a.attempt > r.retry_floor
                       AND a.outcome = 'interrupted')::int
               ELSE 0 END AS interruptions
-), unknown AS (
-    -- A play this release does not have can never run on this lane, and a run never
-    -- started by its claim deadline must not run late: fail the run at once (cancel it,
-    -- when that was asked) instead of burning attempts on it.
-    UPDATE wq_runs r
-       SET state = CASE WHEN r.cancel_requested_at IS NULL THEN 'failed'
-                        ELSE 'cancelled' END::wq_run_state,
-           error = CASE WHEN r.play = ANY (%(plays)s::text[])
-                        THEN jsonb_build_object(
-                            'code', 'START_DEADLINE_PASSED',
-                            'message', 'the run was not started by its claim deadline '
-                                       || r.start_by)
-                        ELSE jsonb_build_object(
-                            'code', 'PLAY_UNKNOWN',
-                            'message', 'play ' || r.play || ' is not registered in release '
-                                       || r.release) END,
-           job_id = NULL,
-           finished_at = now(),
-           updated_at = now()
-      FROM taken
-     WHERE r.id = ANY (ARRAY(SELECT taken.run_id FROM taken))  -- by key, as above
-       AND r.id = taken.run_id
-       AND r.job_id = taken.id
-       AND (r.state::text = 'queued'
-            OR (r.state::text = 'sleeping' AND r.cancel_requested_at IS NULL))
-       AND (NOT (r.play = ANY (%(plays)s::text[]))
-            OR (r.started_at IS NULL
-                AND r.start_by < coalesce(%(now)s::timestamptz, now())))
-    RETURNING r.id, r.play, r.state, r.error ->> 'code' AS code
-), unknown_event AS (
-    INSERT INTO wq_events (run_id, kind, data)
-    SELECT id, CASE WHEN state = 'failed' THEN 'run_failed' ELSE 'run_cancelled' END,
-           jsonb_build_object('code', code, 'play', play)
-      FROM unknown
 ), attempt AS (
     INSERT INTO wq_attempts (run_id, attempt, worker_id)
     SELECT id, attempt, %(worker)s FROM claimed
@@ -151,22 +119,64 @@ SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NU
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 
 -- name: job_drop :exec
--- Settle deliveries a claim dropped. One whose run waits for exactly this job goes back to
--- its lane: the claim could not see that run yet (see run_claim_batch), this statement
--- can. Every other one is acknowledged (duplicate, late, or for a finished run).
+-- Settle deliveries a claim dropped, in a statement of their own (rare: the claim itself
+-- carries no statement for them). A run that waits for exactly this job but whose play
+-- this release does not have can never run on this lane, and one never started by its
+-- claim deadline must not run late: it fails at once (is cancelled, when that was asked)
+-- instead of burning attempts, and its job is acknowledged. One that waits for this job
+-- otherwise goes back to its lane: the claim could not see that run yet (see
+-- run_claim_batch), this statement can. Every other one is acknowledged (duplicate, late,
+-- or for a finished run).
 WITH delivery AS (
-    SELECT t.id,
-           EXISTS (SELECT 1 FROM wq_runs r
-                    WHERE r.id = t.run_id AND r.job_id = t.id
-                      AND (r.state = 'queued'
-                           OR (r.state = 'sleeping' AND r.cancel_requested_at IS NULL)))
-               AS waiting
+    SELECT t.id, t.run_id
       FROM unnest(%(job_ids)s::bigint[], %(run_ids)s::uuid[]) AS t (id, run_id)
+), unknown AS (
+    UPDATE wq_runs r
+       SET state = CASE WHEN r.cancel_requested_at IS NULL THEN 'failed'
+                        ELSE 'cancelled' END::wq_run_state,
+           error = CASE WHEN r.play = ANY (%(plays)s::text[])
+                        THEN jsonb_build_object(
+                            'code', 'START_DEADLINE_PASSED',
+                            'message', 'the run was not started by its claim deadline '
+                                       || r.start_by)
+                        ELSE jsonb_build_object(
+                            'code', 'PLAY_UNKNOWN',
+                            'message', 'play ' || r.play || ' is not registered in release '
+                                       || r.release) END,
+           job_id = NULL,
+           finished_at = now(),
+           updated_at = now()
+      FROM delivery d
+     WHERE r.id = ANY (ARRAY(SELECT d.run_id FROM delivery d))  -- by key (run_claim_batch)
+       AND r.id = d.run_id
+       AND r.job_id = d.id
+       AND (r.state::text = 'queued'
+            OR (r.state::text = 'sleeping' AND r.cancel_requested_at IS NULL))
+       AND (NOT (r.play = ANY (%(plays)s::text[]))
+            OR (r.started_at IS NULL
+                AND r.start_by < coalesce(%(now)s::timestamptz, now())))
+    RETURNING r.id, d.id AS job_id, r.play, r.state, r.error ->> 'code' AS code
+), unknown_event AS (
+    INSERT INTO wq_events (run_id, kind, data)
+    SELECT id, CASE WHEN state = 'failed' THEN 'run_failed' ELSE 'run_cancelled' END,
+           jsonb_build_object('code', code, 'play', play)
+      FROM unknown
+), settled AS (
+    -- This statement's snapshot does not show the failures above: those jobs are
+    -- acknowledged, never sent back.
+    SELECT d.id,
+           NOT EXISTS (SELECT 1 FROM unknown u WHERE u.job_id = d.id)
+           AND EXISTS (SELECT 1 FROM wq_runs r
+                        WHERE r.id = d.run_id AND r.job_id = d.id
+                          AND (r.state = 'queued'
+                               OR (r.state = 'sleeping' AND r.cancel_requested_at IS NULL)))
+               AS waiting
+      FROM delivery d
 )
-SELECT wq_transport_release(array_agg(d.id) FILTER (WHERE d.waiting)) AS released,
-       wq_transport_settle(array_agg(d.id) FILTER (WHERE NOT d.waiting),
-                           array_agg(true) FILTER (WHERE NOT d.waiting)) AS acknowledged
-  FROM delivery d;
+SELECT wq_transport_release(array_agg(s.id) FILTER (WHERE s.waiting)) AS released,
+       wq_transport_settle(array_agg(s.id) FILTER (WHERE NOT s.waiting),
+                           array_agg(true) FILTER (WHERE NOT s.waiting)) AS acknowledged
+  FROM settled s;
 
 -- name: run_heartbeat :many
 -- Renew the leases of this worker's live attempts; a run missing from the answer lost its

@@ -338,11 +338,47 @@ async def test_a_dropped_delivery_goes_back_to_its_lane_when_its_run_waits_for_i
     await take(conn, [admitted.lane], 10)
     await conn.execute(
         q("job_drop"),
-        {"job_ids": [admitted.job_id, stray], "run_ids": [admitted.run_id] * 2},
+        {
+            "job_ids": [admitted.job_id, stray],
+            "run_ids": [admitted.run_id] * 2,
+            "plays": ["p"],
+            "now": None,
+        },
     )
     assert await statuses(conn, [admitted.job_id, stray]) == ["todo", "succeeded"]
     claimed = await runs.claim(conn, lanes=[admitted.lane], worker_id="w1", limit=10, plays=["p"])
     assert [(c.claimed, c.run_id, c.attempt) for c in claimed] == [(True, admitted.run_id, 1)]
+
+
+async def test_a_dropped_delivery_of_a_play_the_release_lacks_fails_its_run_at_once(
+    conn: Conn,
+) -> None:
+    """A claim drops the delivery of a run whose play its release does not have (it can
+    never run on this lane); job_drop fails the run with PLAY_UNKNOWN in the same statement
+    that acknowledges the job, and never sends it back to the lane. Dropped that way by the
+    claim's snapshot or seen first by job_drop's (a run admitted in between), the same."""
+    await lanes.prepare(conn, "seam")
+    admitted = await admission.submit(conn, admission.Submission(play="gone", release="seam"))
+    assert admitted.job_id is not None
+    assert await take(conn, [admitted.lane], 10) == {(admitted.job_id, admitted.run_id)}
+    await conn.execute(
+        q("job_drop"),
+        {"job_ids": [admitted.job_id], "run_ids": [admitted.run_id], "plays": ["p"], "now": None},
+    )
+    assert await statuses(conn, [admitted.job_id]) == ["succeeded"]
+    run = await runs.get(conn, admitted.run_id)
+    assert run is not None and run.state == "failed" and run.attempt == 0
+    assert run.error is not None and run.error["code"] == "PLAY_UNKNOWN"
+    events = [e.kind for e in await runs.events(conn, admitted.run_id)]
+    assert events == ["run_created", "run_failed"]
+    # Settled once: a second drop of the same delivery (a retried statement) changes nothing.
+    await conn.execute(
+        q("job_drop"),
+        {"job_ids": [admitted.job_id], "run_ids": [admitted.run_id], "plays": ["p"], "now": None},
+    )
+    assert [e.kind for e in await runs.events(conn, admitted.run_id)] == events
+    claimed = await runs.claim(conn, lanes=[admitted.lane], worker_id="w1", limit=10, plays=["p"])
+    assert claimed == []
 
 
 async def test_stop_cancels_waiting_and_aborts_delivered_jobs(conn: Conn) -> None:
