@@ -674,31 +674,27 @@ END;
 $$;
 
 --
--- Name: wq_events_gone(); Type: FUNCTION; Schema: public; Owner: -
+-- Name: wq_events_appended(); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.wq_events_gone() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    DELETE FROM wq_outbox o USING gone g WHERE o.event_id = g.id;
-    RETURN NULL;
-END;
-$$;
-
---
--- Name: wq_events_outbox(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.wq_events_outbox() RETURNS trigger
+CREATE FUNCTION public.wq_events_appended() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
+    v_ids text[] := ARRAY(SELECT DISTINCT a.run_id::text FROM appended a);
     v_progress boolean;
     v_http boolean;
 BEGIN
-    -- One read of the sinks (a handful of rows): a statement with nothing to deliver
-    -- (no HTTP sink enabled, the usual case) runs no insert at all.
+    IF cardinality(v_ids) = 0 THEN
+        RETURN NULL;  -- nothing appended: nothing to hear, nothing to deliver
+    END IF;
+    -- The listeners (`worker observe`, `worker result --wait`, `worker events --follow`):
+    -- one NOTIFY per 200 runs of the statement, not one per event.
+    FOR i IN 1 .. cardinality(v_ids) BY 200 LOOP
+        PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
+    END LOOP;
+    -- The sinks, read once (a handful of rows): a statement with nothing to deliver (no
+    -- HTTP sink enabled, the usual case) runs no insert at all.
     SELECT coalesce(bool_or(s.kind = 'progress'), false),
            coalesce(bool_or(s.kind <> 'progress'), false)
       INTO v_progress, v_http
@@ -720,6 +716,19 @@ BEGIN
           WHERE a.kind <> 'run_created'
          HAVING count(*) > 0;  -- an admission's statement: no call at all
     END IF;
+    RETURN NULL;
+END;
+$$;
+
+--
+-- Name: wq_events_gone(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_events_gone() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DELETE FROM wq_outbox o USING gone g WHERE o.event_id = g.id;
     RETURN NULL;
 END;
 $$;
@@ -786,23 +795,6 @@ BEGIN
                          TG_ARGV[1]),
         DETAIL = json_build_object('field', TG_ARGV[0], 'rule', TG_ARGV[2])::text,
         HINT = replace(TG_ARGV[3], '{}', to_jsonb(OLD) ->> TG_ARGV[4]);
-END;
-$$;
-
---
--- Name: wq_notify_run_events(); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.wq_notify_run_events() RETURNS trigger
-    LANGUAGE plpgsql
-    AS $$
-DECLARE
-    v_ids text[] := ARRAY(SELECT DISTINCT a.run_id::text FROM appended a);
-BEGIN
-    FOR i IN 1 .. cardinality(v_ids) BY 200 LOOP
-        PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
-    END LOOP;
-    RETURN NULL;
 END;
 $$;
 
@@ -2755,22 +2747,16 @@ CREATE TRIGGER procrastinate_trigger_status_events_update_v1 AFTER UPDATE OF sta
 CREATE TRIGGER wq_child_run_ended AFTER UPDATE OF state ON public.wq_runs FOR EACH ROW WHEN (((new.parent_id IS NOT NULL) AND (new.state = ANY (ARRAY['succeeded'::public.wq_run_state, 'failed'::public.wq_run_state, 'cancelled'::public.wq_run_state])) AND (old.state IS DISTINCT FROM new.state))) EXECUTE FUNCTION public.wq_child_run_ended();
 
 --
+-- Name: wq_events wq_events_appended; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_events_appended AFTER INSERT ON public.wq_events REFERENCING NEW TABLE AS appended FOR EACH STATEMENT EXECUTE FUNCTION public.wq_events_appended();
+
+--
 -- Name: wq_events wq_events_gone; Type: TRIGGER; Schema: public; Owner: -
 --
 
 CREATE TRIGGER wq_events_gone AFTER DELETE ON public.wq_events REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_events_gone();
-
---
--- Name: wq_events wq_events_notify; Type: TRIGGER; Schema: public; Owner: -
---
-
-CREATE TRIGGER wq_events_notify AFTER INSERT ON public.wq_events REFERENCING NEW TABLE AS appended FOR EACH STATEMENT EXECUTE FUNCTION public.wq_notify_run_events();
-
---
--- Name: wq_events wq_events_outbox; Type: TRIGGER; Schema: public; Owner: -
---
-
-CREATE TRIGGER wq_events_outbox AFTER INSERT ON public.wq_events REFERENCING NEW TABLE AS appended FOR EACH STATEMENT EXECUTE FUNCTION public.wq_events_outbox();
 
 --
 -- Name: wq_events wq_events_sequence; Type: TRIGGER; Schema: public; Owner: -

@@ -113,6 +113,14 @@ async def test_a_statement_appending_to_many_runs_notifies_once_per_200_runs(
         notes = await until_sentinel(listener, writer, RUN_EVENTS)
         assert [n.payload for n in notes] == [str(admitted[7].run_id)]
 
+        # A statement that appends nothing (a claim that found no job) sends nothing, and
+        # writes nothing for the sinks.
+        await writer.execute(
+            "INSERT INTO wq_events (run_id, kind, data)"
+            " SELECT id, 'run_note', '{}' FROM wq_runs WHERE false"
+        )
+        assert await until_sentinel(listener, writer, RUN_EVENTS) == []
+
 
 async def events_of(conn: Conn, job_id: int) -> list[str]:
     cur = await conn.execute(
