@@ -681,11 +681,15 @@ CREATE FUNCTION public.wq_events_appended() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_ids text[] := ARRAY(SELECT DISTINCT a.run_id::text FROM appended a);
+    v_ids text[];
+    v_folded boolean;  -- an event besides run_created: the progress fold has work
     v_progress boolean;
     v_http boolean;
 BEGIN
-    IF cardinality(v_ids) = 0 THEN
+    SELECT array_agg(DISTINCT a.run_id::text), bool_or(a.kind <> 'run_created')
+      INTO v_ids, v_folded
+      FROM appended a;
+    IF v_ids IS NULL THEN
         RETURN NULL;  -- nothing appended: nothing to hear, nothing to deliver
     END IF;
     -- The listeners (`worker observe`, `worker result --wait`, `worker events --follow`):
@@ -709,12 +713,64 @@ BEGIN
            AND s.kind <> 'progress'
          ORDER BY a.id, s.name;
     END IF;
-    IF v_progress THEN
-        PERFORM wq_progress_fold(array_agg(a.run_id), array_agg(a.seq), array_agg(a.attempt),
-                                 array_agg(a.kind), array_agg(a.data))
-           FROM appended a
-          WHERE a.kind <> 'run_created'
-         HAVING count(*) > 0;  -- an admission's statement: no call at all
+    IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
+        -- The progress fold (migration 0030): every column only moves forward, the
+        -- statement's runs in run id order.
+        WITH folded AS (
+            SELECT e.run_id, e.seq, e.attempt,
+                   CASE WHEN e.kind = 'rows_admitted'
+                             AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
+                        THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
+                   CASE WHEN e.kind = 'rows_completed'
+                             AND jsonb_typeof(e.data -> 'rows_done') = 'number'
+                        THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
+                   CASE e.kind
+                        WHEN 'run_retried' THEN 'queued'
+                        WHEN 'attempt_started' THEN 'running'
+                        WHEN 'cleanup_started' THEN 'running'
+                        WHEN 'retry_scheduled' THEN 'queued'
+                        WHEN 'run_interrupted' THEN 'queued'
+                        WHEN 'run_handed_back' THEN 'queued'
+                        WHEN 'run_sleeping' THEN 'sleeping'
+                        WHEN 'run_waiting' THEN 'sleeping'
+                        WHEN 'run_succeeded' THEN 'succeeded'
+                        WHEN 'run_failed' THEN 'failed'
+                        WHEN 'run_cancelled' THEN 'cancelled'
+                        WHEN 'lease_expired' THEN
+                            CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
+                                 THEN e.data ->> 'next_state' END
+                   END::wq_run_state AS state
+              FROM appended e
+             WHERE e.kind <> 'run_created'
+        ), per_run AS (
+            SELECT run_id,
+                   max(seq) AS last_event_seq,
+                   max(attempt) AS attempt,
+                   max(rows_admitted) AS rows_admitted,
+                   max(rows_done) AS rows_done,
+                   (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1]
+                       AS state,
+                   max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
+              FROM folded
+             GROUP BY run_id
+        )
+        INSERT INTO wq_progress AS p
+            (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
+             updated_at)
+        SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
+               coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
+               clock_timestamp()
+          FROM per_run
+         ORDER BY run_id  -- progress rows are locked in run id order
+        ON CONFLICT (run_id) DO UPDATE SET
+            state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
+                         ELSE p.state END,
+            state_seq = greatest(p.state_seq, excluded.state_seq),
+            attempt = greatest(p.attempt, excluded.attempt),
+            rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
+            rows_done = greatest(p.rows_done, excluded.rows_done),
+            last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
+            updated_at = excluded.updated_at;
     END IF;
     RETURN NULL;
 END;
@@ -795,73 +851,6 @@ BEGIN
                          TG_ARGV[1]),
         DETAIL = json_build_object('field', TG_ARGV[0], 'rule', TG_ARGV[2])::text,
         HINT = replace(TG_ARGV[3], '{}', to_jsonb(OLD) ->> TG_ARGV[4]);
-END;
-$$;
-
---
--- Name: wq_progress_fold(uuid[], bigint[], integer[], text[], jsonb[]); Type: FUNCTION; Schema: public; Owner: -
---
-
-CREATE FUNCTION public.wq_progress_fold(p_runs uuid[], p_seqs bigint[], p_attempts integer[], p_kinds text[], p_data jsonb[]) RETURNS void
-    LANGUAGE plpgsql
-    AS $$
-BEGIN
-    WITH folded AS (
-        SELECT e.run_id, e.seq, e.attempt,
-               CASE WHEN e.kind = 'rows_admitted'
-                         AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
-                    THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
-               CASE WHEN e.kind = 'rows_completed'
-                         AND jsonb_typeof(e.data -> 'rows_done') = 'number'
-                    THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
-               CASE e.kind
-                    WHEN 'run_created' THEN 'queued'
-                    WHEN 'run_retried' THEN 'queued'
-                    WHEN 'attempt_started' THEN 'running'
-                    WHEN 'cleanup_started' THEN 'running'
-                    WHEN 'retry_scheduled' THEN 'queued'
-                    WHEN 'run_interrupted' THEN 'queued'
-                    WHEN 'run_handed_back' THEN 'queued'
-                    WHEN 'run_sleeping' THEN 'sleeping'
-                    WHEN 'run_waiting' THEN 'sleeping'
-                    WHEN 'run_succeeded' THEN 'succeeded'
-                    WHEN 'run_failed' THEN 'failed'
-                    WHEN 'run_cancelled' THEN 'cancelled'
-                    WHEN 'lease_expired' THEN
-                        CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
-                             THEN e.data ->> 'next_state' END
-               END::wq_run_state AS state
-          FROM unnest(p_runs, p_seqs, p_attempts, p_kinds, p_data)
-               AS e (run_id, seq, attempt, kind, data)
-    ), per_run AS (
-        SELECT run_id,
-               max(seq) AS last_event_seq,
-               max(attempt) AS attempt,
-               max(rows_admitted) AS rows_admitted,
-               max(rows_done) AS rows_done,
-               (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1]
-                   AS state,
-               max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
-          FROM folded
-         GROUP BY run_id
-    )
-    INSERT INTO wq_progress AS p
-        (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
-         updated_at)
-    SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
-           coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
-           clock_timestamp()
-      FROM per_run
-     ORDER BY run_id  -- progress rows are locked in run id order
-    ON CONFLICT (run_id) DO UPDATE SET
-        state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
-                     ELSE p.state END,
-        state_seq = greatest(p.state_seq, excluded.state_seq),
-        attempt = greatest(p.attempt, excluded.attempt),
-        rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
-        rows_done = greatest(p.rows_done, excluded.rows_done),
-        last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
-        updated_at = excluded.updated_at;
 END;
 $$;
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
 from queues import lanes, ledger, migrations, outcomes, receipts, recovery, runs, sheets
 from queues.errors import InvalidField, PayloadTooLarge, RunNotFound, SheetSuperseded
@@ -433,21 +432,7 @@ async def test_a_sink_is_never_deleted_or_renamed(conn: Conn, statement: str, ve
 # ---- the progress projection ---------------------------------------------------------------
 
 
-async def fold(conn: Conn, events: list[runs.Event]) -> None:
-    """Fold ``events`` into the projection as an appending statement's trigger does."""
-    await conn.execute(
-        "SELECT wq_progress_fold(%s::uuid[], %s::bigint[], %s::int[], %s::text[], %s::jsonb[])",
-        (
-            [e.run_id for e in events],
-            [e.seq for e in events],
-            [e.attempt for e in events],
-            [e.kind for e in events],
-            [Jsonb(e.data) for e in events],
-        ),
-    )
-
-
-async def test_the_projection_commits_with_the_events_and_converges_in_any_order(
+async def test_the_projection_commits_with_the_events(
     conn: Conn,
 ) -> None:
     a = await attempts.start(conn)
@@ -492,13 +477,6 @@ async def test_the_projection_commits_with_the_events_and_converges_in_any_order
         2,
     )
     assert (seen.last_event_seq, seen.ledger_seq, seen.behind) == (6, 6, False)
-    # Folded again, newest first one at a time, then all at once (a replay): earlier events
-    # never move the projection back.
-    for event in reversed(events):
-        await fold(conn, [event])
-    await fold(conn, events)
-    again = await ledger.progress(conn, a.run_id)
-    assert again == dataclasses.replace(seen, updated_at=again.updated_at if again else 0)
 
 
 async def test_admission_writes_no_projection_and_the_next_event_starts_it(conn: Conn) -> None:
@@ -582,6 +560,10 @@ async def test_migration_0030_folds_the_progress_deliveries_left_pending(conn: C
     [migration] = [m for m in migrations.code_migrations() if m.number == 30]
     head, tail = migration.sql.split("\nSELECT wq_progress_fold", 1)
     assert "CREATE OR REPLACE FUNCTION wq_events_outbox" in head
+    # The fold as 0030 made it (0031 folds in the trigger and drops the function): made in
+    # this rolled-back transaction, then 0030's backlog step.
+    start = head.index("CREATE FUNCTION wq_progress_fold")
+    await conn.execute(head[start : head.index("\n$$;", start) + 4].encode())
     await conn.execute(("SELECT wq_progress_fold" + tail).encode())
     seen = await ledger.progress(conn, a.run_id)
     assert seen is not None
