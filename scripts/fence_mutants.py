@@ -64,6 +64,7 @@ ADMISSION = "tests/db/test_admission.py"
 RECEIPT_RACES = "tests/integration/test_receipt_races.py"
 SHEET_RACES = "tests/integration/test_sheet_races.py"
 SCHEDULER = "tests/integration/test_scheduler.py"
+TRANSPORT_SEAM = "tests/db/test_transport_seam.py"
 LANE_RESUME = "tests/integration/test_reclaimed_lane_resume.py"
 DURABLE = "tests/integration/test_durable.py"
 # Child spawns and rate-limit permits (issue 14): stale attempts and each predicate alone.
@@ -360,6 +361,14 @@ drop(
     "       AND l.name = r.lane\n       AND r.job_id = taken.id",
     "\n       AND r.job_id = taken.id",
     (SCHEDULER, RECOVERY),
+)
+drop(
+    "job_drop.job_id",
+    RUNS_SQL,
+    "job_drop",
+    "       AND r.id = d.run_id\n       AND r.job_id = d.id",
+    "\n       AND r.job_id = d.id",
+    (TRANSPORT_SEAM,),
 )
 
 EMIT_ALLOWED = """\

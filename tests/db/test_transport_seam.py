@@ -26,7 +26,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import admission, fields, lanes, runs, transport
+from queues import admission, fields, lanes, recovery, runs, transport
 from queues.queries import q
 
 Conn = psycopg.AsyncConnection[Any]
@@ -379,6 +379,38 @@ async def test_a_dropped_delivery_of_a_play_the_release_lacks_fails_its_run_at_o
     assert [e.kind for e in await runs.events(conn, admitted.run_id)] == events
     claimed = await runs.claim(conn, lanes=[admitted.lane], worker_id="w1", limit=10, plays=["p"])
     assert claimed == []
+
+
+async def test_a_late_drop_after_recovery_respawned_the_run_writes_nothing_to_it(
+    conn: Conn,
+) -> None:
+    """A claimer that stalls between its claim and its drop (paused, or its process frozen)
+    leaves the run waiting for a delivered job; recovery gives the run a new one (migration
+    0022). When the stalled drop comes at last, its failure of the run is fenced by the
+    run's job: the run no longer waits for that delivery, so the drop only acknowledges its
+    job, and the run fails once, by the claim that takes its new job."""
+    await lanes.prepare(conn, "seam")
+    admitted = await admission.submit(conn, admission.Submission(play="gone", release="seam"))
+    assert await take(conn, [admitted.lane], 10) == {(admitted.job_id, admitted.run_id)}
+    report = await recovery.run_once(conn)
+    [respawned] = report.respawned
+    assert (respawned.run_id, respawned.old_job_status) == (admitted.run_id, "doing")
+    await conn.execute(
+        q("job_drop"),
+        {"job_ids": [admitted.job_id], "run_ids": [admitted.run_id], "plays": ["p"], "now": None},
+    )
+    run = await runs.get(conn, admitted.run_id)
+    assert (run.state, run.job_id) == ("queued", respawned.job_id)
+    assert await statuses(conn, [admitted.job_id, respawned.job_id]) == ["succeeded", "todo"]
+    claimed = await runs.claim(conn, lanes=[admitted.lane], worker_id="w1", limit=10, plays=["p"])
+    assert [(c.claimed, c.run_id, c.job_id) for c in claimed] == [
+        (False, admitted.run_id, respawned.job_id)
+    ]
+    run = await runs.get(conn, admitted.run_id)
+    assert run.state == "failed" and run.error is not None
+    assert run.error["code"] == "PLAY_UNKNOWN"
+    kinds = [e.kind for e in await runs.events(conn, admitted.run_id)]
+    assert kinds == ["run_created", "respawned", "run_failed"]
 
 
 async def test_stop_cancels_waiting_and_aborts_delivered_jobs(conn: Conn) -> None:
