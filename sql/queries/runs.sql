@@ -47,7 +47,7 @@ WITH taken AS (
        AND r.id = taken.run_id
        AND l.name = r.lane
        AND r.job_id = taken.id
-       -- The state as text, here and in `unknown`: no index matches it, so the runs are
+       -- The state as text, here and in job_drop: no index matches it, so the runs are
        -- found by key, one probe per taken job. Compared as an enum, a plan made while
        -- the statistics said few runs were queued read every queued run per claim (the
        -- backlog) through wq_runs_lane_unfinished_idx.
