@@ -113,8 +113,7 @@ async def test_a_statement_appending_to_many_runs_notifies_once_per_200_runs(
         notes = await until_sentinel(listener, writer, RUN_EVENTS)
         assert [n.payload for n in notes] == [str(admitted[7].run_id)]
 
-        # A statement that appends nothing (a claim that found no job) sends nothing, and
-        # writes nothing for the sinks.
+        # A statement that appends nothing (a claim that found no job) sends nothing.
         await writer.execute(
             "INSERT INTO wq_events (run_id, kind, data)"
             " SELECT id, 'run_note', '{}' FROM wq_runs WHERE false"
