@@ -65,6 +65,7 @@ RECEIPT_RACES = "tests/integration/test_receipt_races.py"
 SHEET_RACES = "tests/integration/test_sheet_races.py"
 SCHEDULER = "tests/integration/test_scheduler.py"
 TRANSPORT_SEAM = "tests/db/test_transport_seam.py"
+DROP_RACES = "tests/integration/test_drop_races.py"
 LANE_RESUME = "tests/integration/test_reclaimed_lane_resume.py"
 DURABLE = "tests/integration/test_durable.py"
 # Child spawns and rate-limit permits (issue 14): stale attempts and each predicate alone.
@@ -368,7 +369,7 @@ drop(
     "job_drop",
     "       AND r.id = d.run_id\n       AND r.job_id = d.id",
     "\n       AND r.job_id = d.id",
-    (TRANSPORT_SEAM,),
+    (TRANSPORT_SEAM, DROP_RACES),
 )
 
 EMIT_ALLOWED = """\
