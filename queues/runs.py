@@ -465,13 +465,23 @@ async def register_worker(
     return procrastinate_id
 
 
-async def hold_liveness(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
+async def hold_liveness(conn: psycopg.AsyncConnection[Any], worker_id: str) -> str:
     """Take the worker's liveness lock on ``conn`` (an autocommit session that lives as long
     as the worker: its LISTEN session) and record it; while the session lasts the worker
     is not gone, and once it ends, by exit or by kill, its leases are rescued at once
-    (:func:`queues.recovery.rescue_gone`)."""
+    (:func:`queues.recovery.rescue_gone`). Returns the channel of wakes meant for this
+    worker alone: spawns wake only workers whose lock is held (migration 0032)."""
     await conn.execute(q("worker_hold_liveness"), {"id": worker_id})
-    await conn.execute(q("worker_record_liveness"), {"id": worker_id})
+    cur = await conn.execute(q("worker_record_liveness"), {"id": worker_id})
+    row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+async def leave_line(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
+    """Take a stopping worker out of the line of workers waiting for work, so spawns wake
+    others (migration 0032)."""
+    await conn.execute(q("worker_leave_line"), {"id": worker_id})
 
 
 async def worker_heartbeat(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:

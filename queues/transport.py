@@ -1,11 +1,12 @@
 """The transport seam: every use of procrastinate, the job transport, in one place.
 
 A run's job is a procrastinate job on the run's lane (a procrastinate queue) with task
-:data:`TASK_NAME`. Admission and every statement that re-spawns a run insert it,
-procrastinate's insert trigger NOTIFYs the lane's channel (:func:`lane_channel`), the
-claim statement takes jobs in batches and starts their runs' attempts, and the statement
-that writes a run's outcome finishes its job. procrastinate's own worker serves one
-periodic task, the recovery tick (:data:`RECOVERY_TASK` on :data:`MAINTENANCE_QUEUE`).
+:data:`TASK_NAME`. Admission and every statement that re-spawns a run insert it, the spawn
+wakes a worker waiting for work on its own channel (or, with none waiting, NOTIFYs the
+lane's channel, :func:`lane_channel`: migration 0032), the claim statement takes jobs in
+batches and starts their runs' attempts, and the statement that writes a run's outcome
+finishes its job. procrastinate's own worker serves one periodic task, the recovery tick
+(:data:`RECOVERY_TASK` on :data:`MAINTENANCE_QUEUE`).
 
 Only this module and the ``wq_transport_*`` SQL functions
 (``sql/migrations/0013_create_transport_seam.sql``) know procrastinate's tables, job
@@ -26,6 +27,8 @@ SQL function                       does
 ``wq_transport_take(...)``         take due jobs of lanes for a worker (the claim)
 ``wq_transport_settle(...)``       finish delivered jobs, succeeded or failed
 ``wq_transport_release(...)``      send delivered jobs back to their lanes
+``wq_transport_wake(lanes)``       wake claimers: a waiting live worker per lane
+                                   element, else the lane's broadcast
 ``wq_transport_stop(...)``         a cancel: cancel waiting, abort delivered jobs
 ``wq_transport_withdraw(...)``     cancel waiting jobs no claimer holds (adopt)
 ``wq_transport_prune(...)``        delete finished jobs past their lane's retention
@@ -73,6 +76,21 @@ async def listen(conn: psycopg.AsyncConnection[Any], lanes: Sequence[str]) -> No
     for lane in lanes:
         await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(lane_channel(lane))))
     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(CONTROL_CHANNEL)))
+
+
+async def listen_wake(conn: psycopg.AsyncConnection[Any], channel: str) -> None:
+    """LISTEN for wakes meant for this worker alone (``channel``: its
+    :func:`queues.runs.hold_liveness`), on the session that holds its liveness lock."""
+    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+
+async def wake(conn: psycopg.AsyncConnection[Any], lanes: Sequence[str]) -> int:
+    """Wake a claimer for each of ``lanes`` (a worker passing on a wake it has no room for):
+    a waiting live worker, else the lane's broadcast. Returns how many were woken on their
+    own channels."""
+    cur = await conn.execute(q("transport_wake"), {"lanes": list(lanes)})
+    row = await cur.fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 def cancel_request(payload: str) -> uuid.UUID | None:

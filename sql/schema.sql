@@ -1355,19 +1355,23 @@ $$;
 --
 
 CREATE FUNCTION public.wq_transport_release(p_job_ids bigint[]) RETURNS integer
-    LANGUAGE sql
+    LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_lanes text[];
+BEGIN
     WITH released AS (
         UPDATE procrastinate_jobs j
            SET status = 'todo', worker_id = NULL
          WHERE j.id = ANY (p_job_ids) AND j.status = 'doing' AND NOT j.abort_requested
-        RETURNING j.id, j.queue_name
-    ), woken AS (
-        -- One payload per lane: Postgres folds a transaction's identical notifications.
-        SELECT pg_notify('procrastinate_queue_v1#' || r.queue_name, '{"type": "job_inserted"}')
-          FROM released r
+        RETURNING j.queue_name
     )
-    SELECT count(*)::integer FROM woken
+    SELECT array_agg(r.queue_name) INTO v_lanes FROM released r;
+    IF v_lanes IS NOT NULL THEN
+        PERFORM wq_transport_wake(v_lanes);
+    END IF;
+    RETURN coalesce(cardinality(v_lanes), 0);
+END;
 $$;
 
 --
@@ -1413,9 +1417,8 @@ BEGIN
         RETURNING 1
     )
     SELECT count(*)::integer INTO v_spawned FROM spawned;
-    -- procrastinate's insert trigger skips these jobs (above): one wake per lane.
-    PERFORM pg_notify('procrastinate_queue_v1#' || l.lane, '{"type": "job_inserted"}')
-       FROM (SELECT DISTINCT lane FROM unnest(p_lanes) AS lane) l;
+    -- procrastinate's insert trigger skips these jobs: the waiting claimers are woken here.
+    PERFORM wq_transport_wake(p_lanes);
     RETURN v_spawned;
 END;
 $$;
@@ -1662,6 +1665,50 @@ END;
 $_$;
 
 --
+-- Name: wq_transport_wake(text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_transport_wake(p_lanes text[]) RETURNS integer
+    LANGUAGE plpgsql
+    SET plan_cache_mode TO 'force_generic_plan'
+    AS $$
+DECLARE
+    v_lane record;
+    v_key bigint;
+    v_woken integer;
+    v_total integer := 0;
+    c_probes CONSTANT integer := 16;  -- waiting workers probed per lane and statement
+BEGIN
+    FOR v_lane IN SELECT l.name, count(*)::integer AS jobs
+                    FROM unnest(p_lanes) AS l (name)
+                   WHERE l.name IS NOT NULL
+                   GROUP BY l.name
+                   ORDER BY l.name LOOP
+        v_woken := 0;
+        FOR v_key IN SELECT w.liveness_key
+                       FROM wq_workers w
+                      WHERE w.waiting_since IS NOT NULL
+                        AND w.liveness_key IS NOT NULL
+                        AND v_lane.name = ANY (w.lanes)
+                      ORDER BY w.waiting_since
+                      LIMIT c_probes LOOP
+            -- The worker holds this lock on its LISTEN session: taken here, it is gone.
+            CONTINUE WHEN pg_try_advisory_xact_lock_shared(v_key);
+            PERFORM pg_notify(wq_wake_channel(v_key), v_lane.name);
+            v_woken := v_woken + 1;
+            EXIT WHEN v_woken >= v_lane.jobs;
+        END LOOP;
+        IF v_woken = 0 THEN
+            PERFORM pg_notify('procrastinate_queue_v1#' || v_lane.name,
+                              '{"type": "job_inserted"}');
+        END IF;
+        v_total := v_total + v_woken;
+    END LOOP;
+    RETURN v_total;
+END;
+$$;
+
+--
 -- Name: wq_transport_withdraw(bigint[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1678,6 +1725,16 @@ CREATE FUNCTION public.wq_transport_withdraw(p_job_ids bigint[]) RETURNS integer
         RETURNING 1
     )
     SELECT count(*)::integer FROM withdrawn
+$$;
+
+--
+-- Name: wq_wake_channel(bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_wake_channel(p_liveness_key bigint) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT 'wq_wake#' || p_liveness_key
 $$;
 
 --
@@ -2234,7 +2291,8 @@ CREATE TABLE public.wq_workers (
     started_at timestamp with time zone DEFAULT now() NOT NULL,
     heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
     stopped_at timestamp with time zone,
-    liveness_key bigint
+    liveness_key bigint,
+    waiting_since timestamp with time zone
 );
 
 --
@@ -2686,6 +2744,12 @@ CREATE INDEX wq_schedules_due_idx ON public.wq_schedules USING btree (next_at) W
 --
 
 CREATE INDEX wq_sheet_rows_run_idx ON public.wq_sheet_rows USING btree (run_id, status);
+
+--
+-- Name: wq_workers_waiting_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_workers_waiting_idx ON public.wq_workers USING btree (waiting_since) WHERE (waiting_since IS NOT NULL);
 
 --
 -- Name: procrastinate_jobs procrastinate_jobs_notify_queue_job_aborted_v1; Type: TRIGGER; Schema: public; Owner: -

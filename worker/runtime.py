@@ -188,7 +188,11 @@ class Worker:
             "interrupted": 0,
             "stale": 0,
             "dropped": 0,
+            "claims": 0,  # claim statements
+            "claims_empty": 0,  # of them, those that took nothing
+            "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
         }
+        self.targeted = False  # a wake for this worker alone came since its last claim
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -378,6 +382,12 @@ class Worker:
             # A claim under way when the stop came lands in the local queue: let it land,
             # then hand back everything claimed ahead.
             await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
+        # Out of the line of waiting workers: spawns wake the others from now on.
+        assert self.pool is not None
+        with contextlib.suppress(*TRANSIENT):
+            async with self.pool.connection() as conn:
+                await runs.leave_line(conn, self.s.worker_id)
+        await self._pass_on()
         await self._hand_back_ahead()
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -415,15 +425,22 @@ class Worker:
                 ) as conn:
                     await transport.listen(conn, self.lane_names)
                     # This session is the worker's life: while it lasts the worker is not
-                    # gone; when it ends its leases are rescued within seconds (_peers_loop).
-                    await runs.hold_liveness(conn, self.s.worker_id)
+                    # gone; when it ends its leases are rescued within seconds (_peers_loop),
+                    # and spawns stop waking it on its own channel (migration 0032).
+                    own = await runs.hold_liveness(conn, self.s.worker_id)
+                    await transport.listen_wake(conn, own)
                     outage.ok()
                     self.wake.set()  # anything inserted while we were not listening
                     async for note in conn.notifies():
                         if note.channel == transport.CONTROL_CHANNEL:
                             self._control(note.payload)
-                        else:
-                            self.wake.set()
+                            continue
+                        if note.channel == own:
+                            # Chosen as a waiting worker: claim, or pass it on (_claim_loop).
+                            self.targeted = True
+                            if self.stopping.is_set():
+                                await self._pass_on()
+                        self.wake.set()
             except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
 
@@ -493,10 +510,14 @@ class Worker:
         while not self.stopping.is_set():
             want = self._claim_room()
             if want <= 0:
+                # Woken as a waiting worker after the claim that filled the slots began:
+                # another worker takes the job (migration 0032).
+                await self._pass_on()
                 self.capacity.clear()
                 await self.capacity.wait()
                 continue
             self.wake.clear()
+            self.targeted = False  # this claim sees every job whose wake came before it
             try:
                 async with self.pool.connection() as conn:
                     claimed = await runs.claim(
@@ -511,6 +532,8 @@ class Worker:
                 await outage.failed(exc)
                 continue
             outage.ok()
+            self.stats["claims"] += 1
+            self.stats["claims_empty"] += not claimed
             got = 0
             for c in claimed:
                 if c.claimed:
@@ -525,6 +548,19 @@ class Worker:
             if got < want and not self.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
+
+    async def _pass_on(self) -> None:
+        """Pass a wake meant for this worker alone on to the lanes' other claimers, when it
+        came with no room left (or while stopping): the spawn woke no one else."""
+        if not self.targeted or self.pool is None:
+            return
+        self.targeted = False
+        self.stats["wakes_passed_on"] += 1
+        try:
+            async with self.pool.connection() as conn:
+                await transport.wake(conn, self.lane_names)
+        except TRANSIENT as exc:  # the others' polls take the job
+            log.warning("wake_pass_on_failed", error=repr(exc)[:300])
 
     def _claim_room(self) -> int:
         """How many runs the next claim asks for (0: none is due). Enough for the free

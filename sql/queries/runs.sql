@@ -96,6 +96,18 @@ WITH taken AS (
     SELECT id, attempt, CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
            jsonb_build_object('worker', %(worker)s::text)
       FROM claimed
+), line AS (
+    -- The line of workers waiting for work (migration 0032: a spawn wakes the longest
+    -- waiting): taking fewer jobs than asked for, the worker waits (taking none, it keeps
+    -- its place; taking some, it goes to the back); taking all, it does not. Only a change
+    -- is written (a drain's full claims and an idle worker's empty ones write nothing).
+    UPDATE wq_workers w
+       SET waiting_since = CASE WHEN n.taken < %(limit)s THEN now() END
+      FROM (SELECT count(*) AS taken FROM taken) n
+     WHERE w.id = %(worker)s
+       AND CASE WHEN n.taken = 0 THEN w.waiting_since IS NULL
+                WHEN n.taken < %(limit)s THEN true
+                ELSE w.waiting_since IS NOT NULL END
 ), lazy AS (
     -- The claim's commit need not wait for its WAL flush (queues.runs.claim says why its
     -- loss is harmless); %(lazy)s: this statement is its own transaction (autocommit), so
@@ -429,7 +441,7 @@ SELECT run_id, attempt, worker_id, outcome::text, error, started_at, finished_at
 INSERT INTO wq_workers (id, lanes, release, host, pid, procrastinate_id)
 VALUES (%(id)s, %(lanes)s, %(release)s, %(host)s, %(pid)s, %(procrastinate_id)s)
 ON CONFLICT (id) DO UPDATE
-   SET lanes = excluded.lanes, heartbeat_at = now(), stopped_at = NULL;
+   SET lanes = excluded.lanes, heartbeat_at = now(), stopped_at = NULL, waiting_since = NULL;
 
 -- name: worker_heartbeat :exec
 -- Mark a worker alive (also its registration with the transport).
@@ -443,16 +455,25 @@ SELECT wq_transport_beat(w.procrastinate_id) FROM w;
 -- the key's shared probe. Idempotent: a reconnected session takes the lock again.
 SELECT pg_advisory_lock(hashtextextended('wq_worker:' || %(id)s, 0));
 
--- name: worker_record_liveness :exec
+-- name: worker_record_liveness :one
 -- Record the key of the lock this session holds (after worker_hold_liveness): a recorded
 -- key whose lock nobody holds names a worker that is gone (migration 0024).
-UPDATE wq_workers
-   SET liveness_key = hashtextextended('wq_worker:' || %(id)s, 0)
- WHERE id = %(id)s;
+-- Returns the channel of wakes meant for this worker alone (migration 0032).
+WITH lock AS (
+    SELECT hashtextextended('wq_worker:' || %(id)s, 0) AS key
+), recorded AS (
+    UPDATE wq_workers w SET liveness_key = lock.key FROM lock WHERE w.id = %(id)s
+)
+SELECT wq_wake_channel(lock.key) FROM lock;
 
 -- name: worker_stop :exec
 -- Mark a worker stopped.
-UPDATE wq_workers SET stopped_at = now() WHERE id = %(id)s;
+UPDATE wq_workers SET stopped_at = now(), waiting_since = NULL WHERE id = %(id)s;
+
+-- name: worker_leave_line :exec
+-- A stopping worker claims nothing more: out of the line of waiting workers, so spawns
+-- wake others (migration 0032).
+UPDATE wq_workers SET waiting_since = NULL WHERE id = %(id)s AND waiting_since IS NOT NULL;
 
 -- name: event_lock :exec
 -- Serialize emits and waits on one (org, event name), transaction-scoped: no lost wake-up.
