@@ -1665,10 +1665,10 @@ END;
 $_$;
 
 --
--- Name: wq_transport_wake(text[]); Type: FUNCTION; Schema: public; Owner: -
+-- Name: wq_transport_wake(text[], text); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.wq_transport_wake(p_lanes text[]) RETURNS integer
+CREATE FUNCTION public.wq_transport_wake(p_lanes text[], p_except text DEFAULT NULL::text) RETURNS integer
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -1690,6 +1690,7 @@ BEGIN
                       WHERE w.waiting_since IS NOT NULL
                         AND w.liveness_key IS NOT NULL
                         AND v_lane.name = ANY (w.lanes)
+                        AND w.id IS DISTINCT FROM p_except
                       ORDER BY w.waiting_since
                       LIMIT c_probes LOOP
             -- The worker holds this lock on its LISTEN session: taken here, it is gone.

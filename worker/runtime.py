@@ -193,6 +193,7 @@ class Worker:
             "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
         }
         self.targeted = False  # a wake for this worker alone came since its last claim
+        self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -436,10 +437,13 @@ class Worker:
                             self._control(note.payload)
                             continue
                         if note.channel == own:
-                            # Chosen as a waiting worker: claim, or pass it on (_claim_loop).
+                            # Chosen as a waiting worker: claim, or pass the wake on when
+                            # there is no room (also when the claim under way fills the
+                            # slots: _claim_loop).
                             self.targeted = True
-                            if self.stopping.is_set():
-                                await self._pass_on()
+                            if self.stopping.is_set() or self._claim_room() <= 0:
+                                self._passing.add(asyncio.create_task(self._pass_on()))
+                                self._passing = {t for t in self._passing if not t.done()}
                         self.wake.set()
             except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
@@ -558,7 +562,7 @@ class Worker:
         self.stats["wakes_passed_on"] += 1
         try:
             async with self.pool.connection() as conn:
-                await transport.wake(conn, self.lane_names)
+                await transport.pass_on(conn, self.s.worker_id, self.lane_names)
         except TRANSIENT as exc:  # the others' polls take the job
             log.warning("wake_pass_on_failed", error=repr(exc)[:300])
 

@@ -21,11 +21,11 @@
 -- it: the notification comes after its commit, and the woken claim sees its job) or the
 -- spawn did not see the worker waiting and broadcasts, which the worker hears (it listens
 -- on its lanes' channels as well). A woken worker whose slots have filled meanwhile
--- passes the wake on (wq_transport_wake for its lanes); a stopping worker leaves the line
--- and passes on what it still gets. The claim loop's poll stays as the last resort.
+-- leaves the line and passes the wake on (wq_transport_wake for its lanes, itself
+-- excepted); a stopping worker leaves the line and passes on what it still gets. The claim loop's poll stays as the last resort.
 --
 -- tests/db/test_wake_one.py: the line, who is woken, the gone worker skipped, the
--- broadcast, the race; tests/integration/test_wake_one.py: idle worker processes.
+-- broadcast, the race; tests/integration/test_wake_one_runtime.py: idle worker processes.
 ALTER TABLE wq_workers ADD COLUMN waiting_since timestamptz;
 
 CREATE INDEX wq_workers_waiting_idx ON wq_workers (waiting_since)
@@ -38,9 +38,10 @@ CREATE FUNCTION wq_wake_channel(p_liveness_key bigint) RETURNS text
 $$;
 
 -- Wake claimers for new jobs: one waiting live worker per element of p_lanes (a lane
--- repeated k times wakes up to k), the longest waiting first; a lane with none is
--- broadcast on its channel. Returns the number of workers woken on their own channels.
-CREATE FUNCTION wq_transport_wake(p_lanes text[]) RETURNS integer
+-- repeated k times wakes up to k), the longest waiting first, never p_except (a worker
+-- passing its wake on); a lane with none is broadcast on its channel. Returns the number
+-- of workers woken on their own channels.
+CREATE FUNCTION wq_transport_wake(p_lanes text[], p_except text DEFAULT NULL) RETURNS integer
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -62,6 +63,7 @@ BEGIN
                       WHERE w.waiting_since IS NOT NULL
                         AND w.liveness_key IS NOT NULL
                         AND v_lane.name = ANY (w.lanes)
+                        AND w.id IS DISTINCT FROM p_except
                       ORDER BY w.waiting_since
                       LIMIT c_probes LOOP
             -- The worker holds this lock on its LISTEN session: taken here, it is gone.

@@ -1,0 +1,227 @@
+"""One NOTIFY wakes one claimer (migration 0032), with real workers on real connections.
+
+The workers here poll once a minute (``poll_s``), so a run is picked up within the test's
+deadlines only by a wake: a lost one fails the test instead of hiding behind a poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from queues import lanes, runs, transport
+from tests.workers import connect, eventually, fetch, run_state, submit
+from worker.context import RunContext
+from worker.plays import Registry
+from worker.runtime import Settings, Worker
+
+RELEASE = "wake"
+NO_POLL_S = 60.0
+PICKUP_S = 5.0  # far below the poll: only a wake picks a run up in time
+
+registry = Registry()
+gate: dict[str, asyncio.Event] = {}  # the `hold` play's, made in each test's event loop
+
+
+@registry.play("echo")
+async def echo(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    return {"worker": ctx.info.worker_id}
+
+
+@registry.play("hold")
+async def hold(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    await gate["hold"].wait()
+    return {"worker": ctx.info.worker_id}
+
+
+@contextlib.asynccontextmanager
+async def worker(url: str, name: str, *, concurrency: int = 10) -> AsyncIterator[Worker]:
+    w = Worker(
+        Settings(
+            url=url,
+            release=RELEASE,
+            registry=registry,
+            concurrency=concurrency,
+            grace_s=10.0,
+            install_signals=False,
+            poll_s=NO_POLL_S,
+            worker_id=f"{name}:{uuid.uuid4().hex[:8]}",
+        )
+    )
+    serving = asyncio.create_task(w.run())
+    ready = asyncio.create_task(w.ready.wait())
+    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+    assert not serving.done(), serving.result()
+    try:
+        yield w
+    finally:
+        w.stop()
+        await asyncio.wait_for(serving, 40)
+
+
+async def waiting(url: str, w: Worker) -> bool:
+    rows = await fetch(url, "SELECT waiting_since FROM wq_workers WHERE id = %s", (w.s.worker_id,))
+    return rows[0][0] is not None
+
+
+async def done(url: str, run_id: uuid.UUID) -> str:
+    await eventually(lambda: _succeeded(url, run_id), timeout=PICKUP_S)
+    rows = await fetch(url, "SELECT worker_id FROM wq_attempts WHERE run_id = %s", (run_id,))
+    [(by,)] = rows
+    return str(by)
+
+
+async def _succeeded(url: str, run_id: uuid.UUID) -> bool:
+    return await run_state(url, run_id) == "succeeded"
+
+
+async def test_idle_workers_take_turns_and_each_run_costs_one_wake(db_url: str) -> None:
+    await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
+    async with (
+        worker(db_url, "a") as a,
+        worker(db_url, "b") as b,
+        worker(db_url, "c") as c,
+    ):
+        ws = [a, b, c]
+        await eventually(lambda: _all_waiting(db_url, ws), timeout=PICKUP_S)
+        before = sum(w.stats["claims"] for w in ws)
+        ran: Counter[str] = Counter()
+        runs = 12
+        for i in range(runs):
+            run_id = await submit(db_url, "echo", {"i": i}, release=RELEASE)
+            ran[await done(db_url, run_id)] += 1
+            # Its worker's claim after the attempt ended (for a slot freed) has landed.
+            await eventually(lambda: _all_waiting(db_url, ws), timeout=PICKUP_S)
+        claims = sum(w.stats["claims"] for w in ws) - before
+        # Per run: the woken worker's claim and its claim once the attempt ended. Woken
+        # by a broadcast, every idle worker claimed for each run: 3 + 1 per run.
+        assert claims <= 2 * runs + len(ws), claims
+        # The worker that took a run went to the back of the line: they took turns.
+        assert sorted(ran.values()) == [runs // 3] * 3, ran
+
+
+async def _all_waiting(url: str, ws: list[Worker]) -> bool:
+    return all([await waiting(url, w) for w in ws])
+
+
+async def test_a_woken_worker_with_no_room_passes_the_wake_on(db_url: str) -> None:
+    gate["hold"] = asyncio.Event()
+    await submit(db_url, "echo", release=RELEASE)
+    async with worker(db_url, "full", concurrency=1) as full:
+        held = await submit(db_url, "hold", release=RELEASE)
+        await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
+        async with worker(db_url, "idle") as idle:
+            await eventually(lambda: waiting(db_url, idle), timeout=PICKUP_S)
+            # A spawn that read the line before `full`'s claim (which filled its only slot)
+            # committed: `full` is first in line when the next run is admitted.
+            async with connect(db_url) as conn:
+                await conn.execute(
+                    "UPDATE wq_workers SET waiting_since = now() - interval '1 hour'"
+                    " WHERE id = %s",
+                    (full.s.worker_id,),
+                )
+            run_id = await submit(db_url, "echo", release=RELEASE)
+            assert await done(db_url, run_id) == idle.s.worker_id
+            # (Once more, when its claim after the first run's attempt took `held` before
+            # the wake for `held` was read.)
+            assert full.stats["wakes_passed_on"] >= 1
+            gate["hold"].set()
+            assert await done(db_url, held) == full.s.worker_id
+
+
+async def _running(url: str, run_id: uuid.UUID) -> bool:
+    return await run_state(url, run_id) == "running"
+
+
+async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
+    gate["hold"] = asyncio.Event()
+    await submit(db_url, "echo", release=RELEASE)
+    stopping = Worker(
+        Settings(
+            url=db_url,
+            release=RELEASE,
+            registry=registry,
+            concurrency=10,
+            grace_s=30.0,
+            install_signals=False,
+            poll_s=NO_POLL_S,
+            worker_id=f"stopping:{uuid.uuid4().hex[:8]}",
+        )
+    )
+    serving = asyncio.create_task(stopping.run())
+    await stopping.ready.wait()
+    held = await submit(db_url, "hold", release=RELEASE)
+    await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
+    async with worker(db_url, "stays") as stays:
+        await eventually(lambda: waiting(db_url, stays), timeout=PICKUP_S)
+        line = await fetch(
+            db_url,
+            "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY waiting_since",
+        )
+        assert line == [(stopping.s.worker_id,), (stays.s.worker_id,)]  # it would be woken
+        stopping.stop()  # drains: waits for its held run
+        await eventually(lambda: _left(db_url, stopping), timeout=PICKUP_S)
+        run_id = await submit(db_url, "echo", release=RELEASE)
+        assert await done(db_url, run_id) == stays.s.worker_id
+        gate["hold"].set()
+        await asyncio.wait_for(serving, 40)
+        assert await done(db_url, held) == stopping.s.worker_id
+
+
+async def _left(url: str, w: Worker) -> bool:
+    return not await waiting(url, w)
+
+
+async def test_a_paused_worker_first_in_line_delays_a_run_by_one_poll_at_most(
+    db_url: str,
+) -> None:
+    """A worker frozen with its session open (SIGSTOP, a frozen VM) still holds its liveness
+    lock and stays in line: the spawn wakes it and nobody else. The other idle workers'
+    polls (every ``poll_s``, 1 s by default) pick the run up."""
+    await submit(db_url, "echo", release=RELEASE)
+    async with connect(db_url) as conn, connect(db_url) as session:
+        frozen = f"frozen:{uuid.uuid4().hex[:8]}"
+        await runs.register_worker(
+            conn, worker_id=frozen, lanes=[lanes.lane_name(RELEASE)], release=RELEASE,
+            host="elsewhere", pid=1,
+        )  # fmt: skip
+        channel = await runs.hold_liveness(session, frozen)
+        await transport.listen_wake(session, channel)
+        w = Worker(
+            Settings(
+                url=db_url,
+                release=RELEASE,
+                registry=registry,
+                concurrency=10,
+                grace_s=10.0,
+                install_signals=False,
+                worker_id=f"polls:{uuid.uuid4().hex[:8]}",
+            )
+        )
+        assert w.s.poll_s == 1.0  # the default
+        serving = asyncio.create_task(w.run())
+        await w.ready.wait()
+        try:
+            await eventually(lambda: waiting(db_url, w), timeout=PICKUP_S)
+            await conn.execute(  # first in line, then frozen
+                "UPDATE wq_workers SET waiting_since = now() - interval '1 hour' WHERE id = %s",
+                (frozen,),
+            )
+            run_id = await submit(db_url, "echo", release=RELEASE)
+            note = await anext(session.notifies(timeout=PICKUP_S))
+            assert note.channel == channel  # the frozen worker was the one woken
+            assert await done(db_url, run_id) == w.s.worker_id  # by its poll
+            rows = await fetch(
+                db_url,
+                "SELECT extract(epoch FROM r.started_at - r.created_at) FROM wq_runs r"
+                " WHERE r.id = %s",
+                (run_id,),
+            )
+            assert rows[0][0] < 3 * w.s.poll_s  # a poll or two, not a lease or a minute
+        finally:
+            w.stop()
+            await asyncio.wait_for(serving, 40)
