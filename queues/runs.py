@@ -478,10 +478,10 @@ async def hold_liveness(conn: psycopg.AsyncConnection[Any], worker_id: str) -> s
     return str(row[0])
 
 
-async def leave_line(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
-    """Take a stopping worker out of the line of workers waiting for work, so spawns wake
+async def stop_waiting(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
+    """Take a stopping worker out of the set of workers waiting for work, so spawns wake
     others (migration 0032)."""
-    await conn.execute(q("worker_leave_line"), {"id": worker_id})
+    await conn.execute(q("worker_stop_waiting"), {"id": worker_id})
 
 
 async def worker_heartbeat(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:

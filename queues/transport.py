@@ -86,7 +86,7 @@ async def listen_wake(conn: psycopg.AsyncConnection[Any], channel: str) -> None:
 
 async def pass_on(conn: psycopg.AsyncConnection[Any], worker_id: str, lanes: Sequence[str]) -> int:
     """Pass on a wake meant for this worker alone that it has no room for (its slots
-    filled, or it is stopping): it leaves the line of waiting workers, and a waiting live
+    filled, or it is stopping): it leaves the set of waiting workers, and a waiting live
     worker of each of ``lanes`` is woken instead, else the lane's broadcast. Returns how
     many were woken on their own channels."""
     cur = await conn.execute(q("transport_pass_on"), {"worker": worker_id, "lanes": list(lanes)})

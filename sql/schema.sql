@@ -1674,37 +1674,64 @@ CREATE FUNCTION public.wq_transport_wake(p_lanes text[], p_except text DEFAULT N
     AS $$
 DECLARE
     v_lane record;
-    v_key bigint;
+    v_ids text[];
+    v_keys bigint[];
+    v_gone text[] := '{}';
+    v_n integer;
+    v_start bigint;
+    v_at integer;
     v_woken integer;
     v_total integer := 0;
-    c_probes CONSTANT integer := 16;  -- waiting workers probed per lane and statement
+    c_set CONSTANT integer := 64;  -- waiting workers considered per lane and statement
 BEGIN
     FOR v_lane IN SELECT l.name, count(*)::integer AS jobs
                     FROM unnest(p_lanes) AS l (name)
                    WHERE l.name IS NOT NULL
                    GROUP BY l.name
                    ORDER BY l.name LOOP
+        SELECT array_agg(w.id ORDER BY w.waiting_since, w.id),
+               array_agg(w.liveness_key ORDER BY w.waiting_since, w.id)
+          INTO v_ids, v_keys
+          FROM (SELECT w.id, w.liveness_key, w.waiting_since
+                  FROM wq_workers w
+                 WHERE w.waiting_since IS NOT NULL
+                   AND w.liveness_key IS NOT NULL
+                   AND v_lane.name = ANY (w.lanes)
+                   AND w.id IS DISTINCT FROM p_except
+                 ORDER BY w.waiting_since, w.id
+                 LIMIT c_set) w;
+        v_n := coalesce(cardinality(v_ids), 0);
         v_woken := 0;
-        FOR v_key IN SELECT w.liveness_key
-                       FROM wq_workers w
-                      WHERE w.waiting_since IS NOT NULL
-                        AND w.liveness_key IS NOT NULL
-                        AND v_lane.name = ANY (w.lanes)
-                        AND w.id IS DISTINCT FROM p_except
-                      ORDER BY w.waiting_since
-                      LIMIT c_probes LOOP
-            -- The worker holds this lock on its LISTEN session: taken here, it is gone.
-            CONTINUE WHEN pg_try_advisory_xact_lock_shared(v_key);
-            PERFORM pg_notify(wq_wake_channel(v_key), v_lane.name);
-            v_woken := v_woken + 1;
-            EXIT WHEN v_woken >= v_lane.jobs;
-        END LOOP;
+        IF v_n > 0 THEN
+            v_start := nextval('wq_wake_turn');
+            FOR i IN 0 .. v_n - 1 LOOP
+                v_at := ((v_start + i) % v_n)::integer + 1;
+                -- The worker holds this lock on its LISTEN session: taken here, it is gone.
+                IF pg_try_advisory_xact_lock_shared(v_keys[v_at]) THEN
+                    v_gone := v_gone || v_ids[v_at];
+                    CONTINUE;
+                END IF;
+                PERFORM pg_notify(wq_wake_channel(v_keys[v_at]), v_lane.name);
+                v_woken := v_woken + 1;
+                EXIT WHEN v_woken >= v_lane.jobs;
+            END LOOP;
+        END IF;
         IF v_woken = 0 THEN
             PERFORM pg_notify('procrastinate_queue_v1#' || v_lane.name,
                               '{"type": "job_inserted"}');
         END IF;
         v_total := v_total + v_woken;
     END LOOP;
+    IF cardinality(v_gone) > 0 THEN
+        -- Rare (once per worker killed while waiting): out of the set, in id order.
+        UPDATE wq_workers w
+           SET waiting_since = NULL
+         WHERE w.id IN (SELECT g.id FROM wq_workers g
+                         WHERE g.id = ANY (v_gone) AND g.waiting_since IS NOT NULL
+                         ORDER BY g.id
+                           FOR NO KEY UPDATE)
+           AND w.waiting_since IS NOT NULL;
+    END IF;
     RETURN v_total;
 END;
 $$;
@@ -2277,6 +2304,17 @@ CREATE TABLE public.wq_sinks (
     CONSTRAINT wq_sinks_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.-]{0,62}$'::text)),
     CONSTRAINT wq_sinks_url_iff_http CHECK (((kind = 'http'::public.wq_sink_kind) = (url IS NOT NULL)))
 );
+
+--
+-- Name: wq_wake_turn; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+CREATE SEQUENCE public.wq_wake_turn
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1;
 
 --
 -- Name: wq_workers; Type: TABLE; Schema: public; Owner: -

@@ -383,11 +383,11 @@ class Worker:
             # A claim under way when the stop came lands in the local queue: let it land,
             # then hand back everything claimed ahead.
             await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
-        # Out of the line of waiting workers: spawns wake the others from now on.
+        # Out of the set of waiting workers: spawns wake the others from now on.
         assert self.pool is not None
         with contextlib.suppress(*TRANSIENT):
             async with self.pool.connection() as conn:
-                await runs.leave_line(conn, self.s.worker_id)
+                await runs.stop_waiting(conn, self.s.worker_id)
         await self._pass_on()
         await self._hand_back_ahead()
         while self.live and time.monotonic() < deadline:

@@ -96,18 +96,16 @@ WITH taken AS (
     SELECT id, attempt, CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
            jsonb_build_object('worker', %(worker)s::text)
       FROM claimed
-), line AS (
-    -- The line of workers waiting for work (migration 0032: a spawn wakes the longest
-    -- waiting): taking fewer jobs than asked for, the worker waits (taking none, it keeps
-    -- its place; taking some, it goes to the back); taking all, it does not. Only a change
-    -- is written (a drain's full claims and an idle worker's empty ones write nothing).
+), waiting AS (
+    -- The set of workers waiting for work (migration 0032: a spawn wakes them in turns):
+    -- taking fewer jobs than asked for, the worker waits; taking all, it does not. Only a
+    -- change is written: a drain's full claims, an idle worker's empty ones and a waiting
+    -- worker's pickup write nothing.
     UPDATE wq_workers w
        SET waiting_since = CASE WHEN n.taken < %(limit)s THEN now() END
       FROM (SELECT count(*) AS taken FROM taken) n
      WHERE w.id = %(worker)s
-       AND CASE WHEN n.taken = 0 THEN w.waiting_since IS NULL
-                WHEN n.taken < %(limit)s THEN true
-                ELSE w.waiting_since IS NOT NULL END
+       AND (w.waiting_since IS NULL) = (n.taken < %(limit)s)
 ), lazy AS (
     -- The claim's commit need not wait for its WAL flush (queues.runs.claim says why its
     -- loss is harmless); %(lazy)s: this statement is its own transaction (autocommit), so
@@ -470,8 +468,8 @@ SELECT wq_wake_channel(lock.key) FROM lock;
 -- Mark a worker stopped.
 UPDATE wq_workers SET stopped_at = now(), waiting_since = NULL WHERE id = %(id)s;
 
--- name: worker_leave_line :exec
--- A stopping worker claims nothing more: out of the line of waiting workers, so spawns
+-- name: worker_stop_waiting :exec
+-- A stopping worker claims nothing more: out of the set of waiting workers, so spawns
 -- wake others (migration 0032).
 UPDATE wq_workers SET waiting_since = NULL WHERE id = %(id)s AND waiting_since IS NOT NULL;
 

@@ -103,62 +103,70 @@ async def admit(conn: Conn, n: int = 1) -> None:
         await admission.submit_many(conn, subs)
 
 
-async def test_claims_keep_the_line_of_waiting_workers(db_url: str) -> None:
-    async with await connect(db_url) as writer, claimers(db_url, "w:line") as [w]:
+async def test_claims_keep_the_set_of_waiting_workers(db_url: str) -> None:
+    async with await connect(db_url) as writer, claimers(db_url, "w:set") as [w]:
         await lanes.prepare(writer, RELEASE)
         assert await waiting_since(writer, w.id) is None  # registered: not waiting yet
 
         assert await w.claim() == 0  # found nothing: waits
-        first = await waiting_since(writer, w.id)
-        assert first is not None
-        assert await w.claim() == 0  # nothing again: keeps its place, nothing written
-        assert await waiting_since(writer, w.id) == first
-
+        joined = await waiting_since(writer, w.id)
+        assert joined is not None
+        assert await w.claim() == 0  # nothing again: nothing written
+        assert await waiting_since(writer, w.id) == joined
         await admit(writer)
-        assert await w.claim() == 1  # took some, not all it asked for: to the back
-        back = await waiting_since(writer, w.id)
-        assert back is not None and back > first
+        assert await w.claim() == 1  # took some, not all it asked for: still waiting,
+        assert await waiting_since(writer, w.id) == joined  # nothing written
 
         await admit(writer, 3)
-        assert await w.claim(limit=2) == 2  # took all it asked for: out of the line
+        assert await w.claim(limit=2) == 2  # took all it asked for: not waiting
         assert await waiting_since(writer, w.id) is None
         assert await w.claim(limit=2) == 1  # the third: waits again
         assert await waiting_since(writer, w.id) is not None
 
-        await runs.leave_line(writer, w.id)  # a stopping worker
+        await runs.stop_waiting(writer, w.id)  # a stopping worker
         assert await waiting_since(writer, w.id) is None
         assert await w.claim() == 0
         await runs.worker_stopped(writer, w.id)  # and a stopped one
         assert await waiting_since(writer, w.id) is None
 
 
-async def test_a_spawn_wakes_the_longest_waiting_workers_alone(db_url: str) -> None:
+async def test_a_spawn_wakes_waiting_workers_alone_and_in_turns(db_url: str) -> None:
     async with await connect(db_url) as writer, claimers(db_url, "w:a", "w:b", "w:c") as ws:
         a, b, c = ws
         await lanes.prepare(writer, RELEASE)
-        for w in ws:  # in line: a, b, c
+        for w in ws:
             assert await w.claim() == 0
 
-        await admit(writer)
-        assert [await w.heard(writer) for w in ws] == [["own"], [], []]
-        assert await a.claim() == 1  # woken, it finds the run; to the back: b, c, a
+        # One job each time: one worker woken, on its own channel, nobody else; three
+        # spawns, three different workers.
+        woken: list[Claimer] = []
+        for _ in range(3):
+            await admit(writer)
+            heard = [await w.heard(writer) for w in ws]
+            assert sorted(heard) == [[], [], ["own"]], heard
+            [chosen] = [w for w, h in zip(ws, heard, strict=True) if h]
+            woken.append(chosen)
+            assert await chosen.claim() == 1  # finds its run; still waiting
+        assert sorted(w.id for w in woken) == sorted(w.id for w in ws)
 
-        await admit(writer, 2)  # two jobs: the two longest waiting
-        assert [await w.heard(writer) for w in ws] == [[], ["own"], ["own"]]
-        assert await b.claim(limit=1) == 1  # each took all it asked for: out of the line
-        assert await c.claim(limit=1) == 1
-        await admit(writer)  # a alone waits
-        assert [await w.heard(writer) for w in ws] == [["own"], [], []]
-        assert await a.claim(limit=1) == 1  # nobody waits now
+        await admit(writer, 2)  # two jobs: two workers
+        heard = [await w.heard(writer) for w in ws]
+        assert sorted(heard) == [[], ["own"], ["own"]], heard
+        for w, h in zip(ws, heard, strict=True):
+            if h:
+                assert await w.claim(limit=1) == 1  # took all it asked for: not waiting
+        [still] = [w for w, h in zip(ws, heard, strict=True) if not h]
+        await admit(writer)  # one waits now
+        assert [await w.heard(writer) for w in ws] == [["own"] if w is still else [] for w in ws]
+        assert await still.claim(limit=1) == 1  # nobody waits now
         assert await b.claim() == 0  # b does
 
         # A job sent back to its lane (a dropped delivery whose run waits for it) wakes
         # the same way.
         [(job_id,)] = await (
             await writer.execute(
-                "SELECT job_id FROM wq_runs WHERE state = 'running' AND lease_owner = %s"
-                " ORDER BY started_at DESC LIMIT 1",
-                (a.id,),
+                "SELECT job_id FROM wq_runs WHERE state = 'running'"
+                " ORDER BY started_at DESC LIMIT 1"
             )
         ).fetchall()
         assert await (
@@ -166,12 +174,15 @@ async def test_a_spawn_wakes_the_longest_waiting_workers_alone(db_url: str) -> N
         ).fetchone() == (1,)
         assert [await w.heard(writer) for w in ws] == [[], ["own"], []]
 
-        # A worker passing a wake on (its slots filled meanwhile): it leaves the line, the
-        # next in line is woken, never itself.
-        assert await c.claim() == 0  # in line: b, c
+        # A worker passing a wake on (its slots filled meanwhile) stops waiting; another
+        # waiting worker is woken, never itself.
+        assert await c.claim() == 0  # waiting: b, c
         assert await transport.pass_on(writer, b.id, [LANE]) == 1
         assert [await w.heard(writer) for w in ws] == [[], [], ["own"]]
         assert await waiting_since(writer, b.id) is None
+        assert await a.claim() == 0  # a waits too
+        assert await transport.pass_on(writer, c.id, [LANE]) == 1  # b is not waiting
+        assert [await w.heard(writer) for w in ws] == [["own"], [], []]
 
 
 async def test_a_gone_worker_is_passed_over(db_url: str) -> None:
@@ -179,7 +190,7 @@ async def test_a_gone_worker_is_passed_over(db_url: str) -> None:
         gone, live = ws
         await lanes.prepare(writer, RELEASE)
         assert await gone.claim() == 0
-        assert await live.claim() == 0  # in line: gone, live
+        assert await live.claim() == 0  # both wait
         await gone.session.close()  # killed: its LISTEN session, and its lock, end
 
         async def lock_free() -> bool:
@@ -192,9 +203,11 @@ async def test_a_gone_worker_is_passed_over(db_url: str) -> None:
             return row is not None and bool(row[0])
 
         await eventually(lock_free, timeout=DEADLINE_S)
-        assert await waiting_since(writer, gone.id) is not None  # still in line ...
-        await admit(writer)
-        assert await live.heard(writer) == ["own"]  # ... but nobody would hear it
+        assert await waiting_since(writer, gone.id) is not None  # still waiting ...
+        for _ in range(2):  # (whichever one's turn it is)
+            await admit(writer)
+            assert await live.heard(writer) == ["own"]  # ... but nobody would hear it
+        assert await waiting_since(writer, gone.id) is None  # found gone: out of the set
 
 
 async def test_with_nobody_waiting_the_lane_is_broadcast(db_url: str) -> None:
@@ -208,11 +221,11 @@ async def test_with_nobody_waiting_the_lane_is_broadcast(db_url: str) -> None:
 
 async def test_a_spawn_racing_a_claim_that_finds_nothing_loses_no_wake(db_url: str) -> None:
     """The claim's snapshot misses the run, and the spawn cannot see the worker join the
-    line (not committed yet): the spawn broadcasts, and the worker hears it."""
+    set (not committed yet): the spawn broadcasts, and the worker hears it."""
     async with await connect(db_url) as writer, claimers(db_url, "w:race") as [w]:
         await lanes.prepare(writer, RELEASE)
         async with w.conn.transaction():
-            assert await w.claim() == 0  # its snapshot: no run yet; joins the line, uncommitted
+            assert await w.claim() == 0  # its snapshot: no run yet; waits, uncommitted
             await admit(writer)  # committed before the claim: sees nobody waiting
         assert await waiting_since(writer, w.id) is not None  # the claim has committed
         assert await w.heard(writer) == [transport.lane_channel(LANE)]

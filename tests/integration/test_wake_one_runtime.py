@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
-from queues import lanes, runs, transport
+from queues import admission, lanes, runs, transport
 from tests.workers import connect, eventually, fetch, run_state, submit
 from worker.context import RunContext
 from worker.plays import Registry
@@ -100,7 +100,7 @@ async def test_idle_workers_take_turns_and_each_run_costs_one_wake(db_url: str) 
         # Per run: the woken worker's claim and its claim once the attempt ended. Woken
         # by a broadcast, every idle worker claimed for each run: 3 + 1 per run.
         assert claims <= 2 * runs + len(ws), claims
-        # The worker that took a run went to the back of the line: they took turns.
+        # Each spawn woke the next waiting worker: they took turns.
         assert sorted(ran.values()) == [runs // 3] * 3, ran
 
 
@@ -116,15 +116,13 @@ async def test_a_woken_worker_with_no_room_passes_the_wake_on(db_url: str) -> No
         await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
         async with worker(db_url, "idle") as idle:
             await eventually(lambda: waiting(db_url, idle), timeout=PICKUP_S)
-            # A spawn that read the line before `full`'s claim (which filled its only slot)
-            # committed: `full` is first in line when the next run is admitted.
-            async with connect(db_url) as conn:
-                await conn.execute(
-                    "UPDATE wq_workers SET waiting_since = now() - interval '1 hour'"
-                    " WHERE id = %s",
-                    (full.s.worker_id,),
-                )
-            run_id = await submit(db_url, "echo", release=RELEASE)
+            # A spawn that read the set before `full`'s claim (which filled its only slot)
+            # committed: it sees `full` waiting, and `idle` not (say it was claiming).
+            run_id = await admit_seeing(
+                db_url,
+                waiting=[full.s.worker_id],
+                not_waiting=[idle.s.worker_id],
+            )
             assert await done(db_url, run_id) == idle.s.worker_id
             # (Once more, when its claim after the first run's attempt took `held` before
             # the wake for `held` was read.)
@@ -158,11 +156,10 @@ async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
     await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
     async with worker(db_url, "stays") as stays:
         await eventually(lambda: waiting(db_url, stays), timeout=PICKUP_S)
-        line = await fetch(
-            db_url,
-            "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY waiting_since",
+        both = await fetch(
+            db_url, "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY id"
         )
-        assert line == [(stopping.s.worker_id,), (stays.s.worker_id,)]  # it would be woken
+        assert both == sorted([(stopping.s.worker_id,), (stays.s.worker_id,)])  # either woken
         stopping.stop()  # drains: waits for its held run
         await eventually(lambda: _left(db_url, stopping), timeout=PICKUP_S)
         run_id = await submit(db_url, "echo", release=RELEASE)
@@ -176,11 +173,11 @@ async def _left(url: str, w: Worker) -> bool:
     return not await waiting(url, w)
 
 
-async def test_a_paused_worker_first_in_line_delays_a_run_by_one_poll_at_most(
+async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
     db_url: str,
 ) -> None:
     """A worker frozen with its session open (SIGSTOP, a frozen VM) still holds its liveness
-    lock and stays in line: the spawn wakes it and nobody else. The other idle workers'
+    lock and keeps waiting: a spawn may wake it and nobody else. The other idle workers'
     polls (every ``poll_s``, 1 s by default) pick the run up."""
     await submit(db_url, "echo", release=RELEASE)
     async with connect(db_url) as conn, connect(db_url) as session:
@@ -207,11 +204,9 @@ async def test_a_paused_worker_first_in_line_delays_a_run_by_one_poll_at_most(
         await w.ready.wait()
         try:
             await eventually(lambda: waiting(db_url, w), timeout=PICKUP_S)
-            await conn.execute(  # first in line, then frozen
-                "UPDATE wq_workers SET waiting_since = now() - interval '1 hour' WHERE id = %s",
-                (frozen,),
-            )
-            run_id = await submit(db_url, "echo", release=RELEASE)
+            # Its turn: the spawn sees the frozen worker waiting and the other one not (its
+            # poll may be claiming right then).
+            run_id = await admit_seeing(db_url, waiting=[frozen], not_waiting=[w.s.worker_id])
             note = await anext(session.notifies(timeout=PICKUP_S))
             assert note.channel == channel  # the frozen worker was the one woken
             assert await done(db_url, run_id) == w.s.worker_id  # by its poll
@@ -225,3 +220,18 @@ async def test_a_paused_worker_first_in_line_delays_a_run_by_one_poll_at_most(
         finally:
             w.stop()
             await asyncio.wait_for(serving, 40)
+
+
+async def admit_seeing(url: str, *, waiting: list[str], not_waiting: list[str]) -> uuid.UUID:
+    """Admit an `echo` run whose spawn sees exactly ``waiting`` waiting: set in the
+    admission's own transaction, so no claim in between changes what the spawn reads."""
+    async with connect(url) as conn, conn.transaction():
+        await conn.execute(
+            "UPDATE wq_workers SET waiting_since = CASE WHEN id = ANY (%s) THEN now() END"
+            " WHERE id = ANY (%s)",
+            (waiting, waiting + not_waiting),
+        )
+        admitted = await admission.submit(
+            conn, admission.Submission(play="echo", params={}, release=RELEASE)
+        )
+    return admitted.run_id
