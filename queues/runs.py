@@ -63,6 +63,9 @@ class Claimed:
     retry_factor: float | None = None
     timeout_at: datetime | None = None  # the run's deadline: first start + its timeout
     meta: dict[str, Any] | None = None
+    # Its lane caps the runs per org: the end of this attempt may let a waiting org's job
+    # be claimed, which no spawn announces.
+    org_capped: bool | None = None
 
     @property
     def retry(self) -> RetryPolicy:

@@ -703,9 +703,13 @@ class Worker:
                     live.timer.cancel()
                 self._fill()  # the next run claimed ahead takes the slot at once
                 self.capacity.set()
-            # A slot is free: claim again now, not at the next poll (a claim that came back
-            # short because an org was at its cap, wq_lanes.org_concurrency, may now fill).
-            self.wake.set()
+            # A slot is free. On a lane that caps the runs per org (wq_lanes.org_concurrency)
+            # a claim that came back short because an org was at its cap may now fill:
+            # claim again now, not at the next poll. Elsewhere a new job is announced by its
+            # spawn (migration 0032), and a claim now would find nothing (one per run at
+            # low load).
+            if c.org_capped:
+                self.wake.set()
 
     def _stop_reason(self, run_id: uuid.UUID) -> str | None:
         live = self.live.get(run_id)

@@ -72,6 +72,7 @@ WITH taken AS (
                   AS timeout_at,
               r.meta,
               l.max_interruptions,
+              l.org_concurrency > 0 AS org_capped,
               -- Failed attempts so far: sleeps, hand-backs and interruptions do not spend
               -- the retry budget; interruptions have a budget of their own. Only this
               -- attempt sequence counts: an operator's retry set retry_floor. A first
@@ -118,13 +119,13 @@ SELECT true AS claimed, c.id AS run_id, c.attempt, c.org, c.play, c.params, c.la
        c.cleanup,
        c.lease_ttl_s, c.heartbeat_s, c.retry_max_attempts, c.retry_base_s, c.retry_cap_s,
        c.retry_jitter, c.max_interruptions, c.failures, c.interruptions,
-       c.retry_kind, c.retry_factor, c.timeout_at, c.meta
+       c.retry_kind, c.retry_factor, c.timeout_at, c.meta, c.org_capped
   FROM claimed c
   LEFT JOIN lazy ON true
 UNION ALL
 SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL
   FROM taken t
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 

@@ -97,9 +97,10 @@ async def test_idle_workers_take_turns_and_each_run_costs_one_wake(db_url: str) 
             # Its worker's claim after the attempt ended (for a slot freed) has landed.
             await eventually(lambda: _all_waiting(db_url, ws), timeout=PICKUP_S)
         claims = sum(w.stats["claims"] for w in ws) - before
-        # Per run: the woken worker's claim and its claim once the attempt ended. Woken
-        # by a broadcast, every idle worker claimed for each run: 3 + 1 per run.
-        assert claims <= 2 * runs + len(ws), claims
+        # Per run: the woken worker's claim. Woken by a broadcast, every idle worker
+        # claimed for each run, and the one that ran it claimed again when its attempt
+        # ended: 3 + 1 per run.
+        assert claims == runs, claims
         # Each spawn woke the next waiting worker: they took turns.
         assert sorted(ran.values()) == [runs // 3] * 3, ran
 
@@ -235,3 +236,31 @@ async def admit_seeing(url: str, *, waiting: list[str], not_waiting: list[str]) 
             conn, admission.Submission(play="echo", params={}, release=RELEASE)
         )
     return admitted.run_id
+
+
+async def test_on_an_org_capped_lane_an_attempts_end_claims_the_org_s_next_run(
+    db_url: str,
+) -> None:
+    """No spawn announces that an org fell below its cap: the worker whose attempt ended
+    claims again at once (the claim said its lane caps orgs)."""
+    gate["hold"] = asyncio.Event()
+    await submit(db_url, "echo", release=RELEASE)
+    async with connect(db_url) as conn:
+        await conn.execute(
+            "UPDATE wq_lanes SET org_concurrency = 1 WHERE name = %s", (lanes.lane_name(RELEASE),)
+        )
+    async with worker(db_url, "capped") as w:
+        first = await submit(db_url, "hold", release=RELEASE, org="acme")
+        await eventually(lambda: _running(db_url, first), timeout=PICKUP_S)
+        empty = w.stats["claims_empty"]
+        second = await submit(db_url, "echo", release=RELEASE, org="acme")
+        # Woken for it, the worker claims and finds acme at its cap: nothing taken.
+        await eventually(lambda: _claimed_nothing_since(w, empty), timeout=PICKUP_S)
+        assert await run_state(db_url, second) == "queued"
+        gate["hold"].set()
+        assert await done(db_url, first) == w.s.worker_id
+        assert await done(db_url, second) == w.s.worker_id  # not at the next poll
+
+
+async def _claimed_nothing_since(w: Worker, since: int) -> bool:
+    return w.stats["claims_empty"] > since
