@@ -25,10 +25,10 @@ latency p50 / p99 (from the submit call's return to the play's start, this proce
 clock, as ``bench.baselines``), and the Postgres server's CPU per run over the mode's
 window (the postmaster and all its processes, ``/proc``: ``bench.throughput``'s helper).
 
-Each worker also claims once after each attempt of its ends (a freed slot claims at
-once), and every idle worker polls with a claim every ``poll_s`` (1 s) it is not woken: so
-wake-one is about 2 claims per run, broadcast about K + 1, plus the polls (none at these
-K: wake-one wakes the workers in turn, each well within its poll period).
+A worker claims again when one of its attempts ends only on a lane that caps the runs per
+org (none here), and every idle worker polls with a claim every ``poll_s`` (1 s) it is not
+woken: so wake-one is about 1 claim per run, broadcast about K, plus the polls (none at
+these K: wake-one wakes the workers in turn, each well within its poll period).
 
 The broadcast mode's server CPU is an upper bound on the old behaviour's: its ``UPDATE``
 (K rows, a commit) runs once per run, and each woken worker's empty claim then writes its
