@@ -1,9 +1,11 @@
 """The worker process: claim, execute, finish; heartbeat; shut down gracefully.
 
 procrastinate is the transport (:mod:`queues.transport`): runs are procrastinate jobs on
-the lane (a procrastinate queue), inserted by admission, woken by procrastinate's NOTIFY
-channel for the lane. The worker claims jobs in batches (the transport takes up to N jobs,
-then one statement starts N attempts) and writes finished attempts in batches (one fenced
+the lane (a procrastinate queue), inserted by admission. A worker whose last claim came
+back short waits for work: a new job wakes one such worker on its own channel, in turns,
+or, with nobody waiting, every worker on the lane's channel (migration 0032). The worker
+claims jobs in batches (the transport takes up to N jobs, then one statement starts N
+attempts) and writes finished attempts in batches (one fenced
 statement finishes N runs and their jobs), which is where it gains on one-job-at-a-time
 fetching.
 
@@ -354,6 +356,7 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._passing, return_exceptions=True)  # wakes being passed on
         assert self.pool is not None
         with contextlib.suppress(psycopg.Error, PoolTimeout):
             async with self.pool.connection() as conn:
