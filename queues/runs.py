@@ -482,8 +482,8 @@ async def hold_liveness(conn: psycopg.AsyncConnection[Any], worker_id: str) -> s
 
 
 async def stop_waiting(conn: psycopg.AsyncConnection[Any], worker_id: str) -> None:
-    """Take a stopping worker out of the set of workers waiting for work, so spawns wake
-    others (migration 0032)."""
+    """Take a worker out of the set of workers waiting for work, so spawns wake others
+    (migration 0032): it is stopping, or passing on a wake it has no room for."""
     await conn.execute(q("worker_stop_waiting"), {"id": worker_id})
 
 

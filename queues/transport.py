@@ -27,7 +27,7 @@ SQL function                       does
 ``wq_transport_take(...)``         take due jobs of lanes for a worker (the claim)
 ``wq_transport_settle(...)``       finish delivered jobs, succeeded or failed
 ``wq_transport_release(...)``      send delivered jobs back to their lanes
-``wq_transport_wake(lanes, ...)``  wake claimers: a waiting live worker per lane
+``wq_transport_wake(lanes)``       wake claimers: a waiting live worker per lane
                                    element, else the lane's broadcast
 ``wq_transport_stop(...)``         a cancel: cancel waiting, abort delivered jobs
 ``wq_transport_withdraw(...)``     cancel waiting jobs no claimer holds (adopt)
@@ -84,12 +84,11 @@ async def listen_wake(conn: psycopg.AsyncConnection[Any], channel: str) -> None:
     await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
 
-async def pass_on(conn: psycopg.AsyncConnection[Any], worker_id: str, lanes: Sequence[str]) -> int:
-    """Pass on a wake meant for this worker alone that it has no room for (its slots
-    filled, or it is stopping): it leaves the set of waiting workers, and a waiting live
-    worker of each of ``lanes`` is woken instead, else the lane's broadcast. Returns how
-    many were woken on their own channels."""
-    cur = await conn.execute(q("transport_pass_on"), {"worker": worker_id, "lanes": list(lanes)})
+async def wake(conn: psycopg.AsyncConnection[Any], lanes: Sequence[str]) -> int:
+    """Wake a claimer for each of ``lanes``: a waiting live worker, else the lane's
+    broadcast (a worker passing on a wake it has no room for, once it left the set of
+    waiting workers). Returns how many were woken on their own channels."""
+    cur = await conn.execute(q("transport_wake"), {"lanes": list(lanes)})
     row = await cur.fetchone()
     return int(row[0]) if row is not None else 0
 

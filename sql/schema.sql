@@ -1665,10 +1665,10 @@ END;
 $_$;
 
 --
--- Name: wq_transport_wake(text[], text); Type: FUNCTION; Schema: public; Owner: -
+-- Name: wq_transport_wake(text[]); Type: FUNCTION; Schema: public; Owner: -
 --
 
-CREATE FUNCTION public.wq_transport_wake(p_lanes text[], p_except text DEFAULT NULL::text) RETURNS integer
+CREATE FUNCTION public.wq_transport_wake(p_lanes text[]) RETURNS integer
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -1697,7 +1697,6 @@ BEGIN
                  WHERE w.waiting_since IS NOT NULL
                    AND w.liveness_key IS NOT NULL
                    AND v_lane.name = ANY (w.lanes)
-                   AND w.id IS DISTINCT FROM p_except
                  ORDER BY w.waiting_since, w.id
                  LIMIT c_set) w;
         v_n := coalesce(cardinality(v_ids), 0);

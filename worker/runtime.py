@@ -387,11 +387,7 @@ class Worker:
             # then hand back everything claimed ahead.
             await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
         # Out of the set of waiting workers: spawns wake the others from now on.
-        assert self.pool is not None
-        with contextlib.suppress(*TRANSIENT):
-            async with self.pool.connection() as conn:
-                await runs.stop_waiting(conn, self.s.worker_id)
-        await self._pass_on()
+        await self._pass_on(leaving=True)
         await self._hand_back_ahead()
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -445,8 +441,9 @@ class Worker:
                             # slots: _claim_loop).
                             self.targeted = True
                             if self.stopping.is_set() or self._claim_room() <= 0:
-                                self._passing.add(asyncio.create_task(self._pass_on()))
-                                self._passing = {t for t in self._passing if not t.done()}
+                                passing = asyncio.create_task(self._pass_on())
+                                self._passing.add(passing)
+                                passing.add_done_callback(self._passing.discard)
                         self.wake.set()
             except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
@@ -556,16 +553,20 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
 
-    async def _pass_on(self) -> None:
+    async def _pass_on(self, *, leaving: bool = False) -> None:
         """Pass a wake meant for this worker alone on to the lanes' other claimers, when it
-        came with no room left (or while stopping): the spawn woke no one else."""
-        if not self.targeted or self.pool is None:
+        came with no room left (or while stopping): the spawn woke no one else. The worker
+        leaves the set of waiting workers first (also when ``leaving``: it is stopping), so
+        the wake cannot come back to it."""
+        targeted, self.targeted = self.targeted, False
+        if not (targeted or leaving) or self.pool is None:
             return
-        self.targeted = False
-        self.stats["wakes_passed_on"] += 1
         try:
             async with self.pool.connection() as conn:
-                await transport.pass_on(conn, self.s.worker_id, self.lane_names)
+                await runs.stop_waiting(conn, self.s.worker_id)
+                if targeted:
+                    self.stats["wakes_passed_on"] += 1
+                    await transport.wake(conn, self.lane_names)
         except TRANSIENT as exc:  # the others' polls take the job
             log.warning("wake_pass_on_failed", error=repr(exc)[:300])
 

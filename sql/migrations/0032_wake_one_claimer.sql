@@ -24,8 +24,8 @@
 -- it: the notification comes after its commit, and the woken claim sees its job) or the
 -- spawn did not see the worker waiting and broadcasts, which the worker hears (it listens
 -- on its lanes' channels as well). A woken worker whose slots have filled meanwhile
--- leaves the set and passes the wake on (wq_transport_wake for its lanes, itself
--- excepted); a stopping worker leaves the set and passes on what it still gets. The claim
+-- leaves the set and passes the wake on (wq_transport_wake for its lanes, after it left);
+-- a stopping worker leaves the set and passes on what it still gets. The claim
 -- loop's poll stays as the last resort (a worker frozen with its session open is woken in
 -- vain; the others' polls pick the run up).
 --
@@ -46,10 +46,9 @@ CREATE FUNCTION wq_wake_channel(p_liveness_key bigint) RETURNS text
 $$;
 
 -- Wake claimers for new jobs: one waiting live worker per element of p_lanes (a lane
--- repeated k times wakes up to k), in turns, never p_except (a worker passing its wake
--- on); a lane with none is broadcast on its channel. Waiting workers found gone leave the
+-- repeated k times wakes up to k), in turns; a lane with none is broadcast on its channel. Waiting workers found gone leave the
 -- set. Returns the number of workers woken on their own channels.
-CREATE FUNCTION wq_transport_wake(p_lanes text[], p_except text DEFAULT NULL) RETURNS integer
+CREATE FUNCTION wq_transport_wake(p_lanes text[]) RETURNS integer
     LANGUAGE plpgsql
     SET plan_cache_mode TO 'force_generic_plan'
     AS $$
@@ -78,7 +77,6 @@ BEGIN
                  WHERE w.waiting_since IS NOT NULL
                    AND w.liveness_key IS NOT NULL
                    AND v_lane.name = ANY (w.lanes)
-                   AND w.id IS DISTINCT FROM p_except
                  ORDER BY w.waiting_since, w.id
                  LIMIT c_set) w;
         v_n := coalesce(cardinality(v_ids), 0);

@@ -470,8 +470,8 @@ SELECT wq_wake_channel(lock.key) FROM lock;
 UPDATE wq_workers SET stopped_at = now(), waiting_since = NULL WHERE id = %(id)s;
 
 -- name: worker_stop_waiting :exec
--- A stopping worker claims nothing more: out of the set of waiting workers, so spawns
--- wake others (migration 0032).
+-- Out of the set of waiting workers, so spawns wake others (migration 0032): a stopping
+-- worker, or one passing on a wake it has no room for.
 UPDATE wq_workers SET waiting_since = NULL WHERE id = %(id)s AND waiting_since IS NOT NULL;
 
 -- name: event_lock :exec

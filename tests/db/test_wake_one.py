@@ -95,6 +95,12 @@ async def waiting_since(conn: Conn, worker: str) -> datetime | None:
     return row[0]  # type: ignore[no-any-return]
 
 
+async def pass_on(conn: Conn, worker: str) -> int:
+    """What a woken worker with no room does (worker.runtime): leave the set, then wake."""
+    await runs.stop_waiting(conn, worker)
+    return await transport.wake(conn, [LANE])
+
+
 async def admit(conn: Conn, n: int = 1) -> None:
     subs = [admission.Submission(play=PLAY, params={"i": i}, release=RELEASE) for i in range(n)]
     if n == 1:
@@ -177,11 +183,11 @@ async def test_a_spawn_wakes_waiting_workers_alone_and_in_turns(db_url: str) -> 
         # A worker passing a wake on (its slots filled meanwhile) stops waiting; another
         # waiting worker is woken, never itself.
         assert await c.claim() == 0  # waiting: b, c
-        assert await transport.pass_on(writer, b.id, [LANE]) == 1
+        assert await pass_on(writer, b.id) == 1
         assert [await w.heard(writer) for w in ws] == [[], [], ["own"]]
         assert await waiting_since(writer, b.id) is None
         assert await a.claim() == 0  # a waits too
-        assert await transport.pass_on(writer, c.id, [LANE]) == 1  # b is not waiting
+        assert await pass_on(writer, c.id) == 1  # b is not waiting
         assert [await w.heard(writer) for w in ws] == [["own"], [], []]
 
 
@@ -215,7 +221,7 @@ async def test_with_nobody_waiting_the_lane_is_broadcast(db_url: str) -> None:
         await lanes.prepare(writer, RELEASE)
         await admit(writer)  # neither has claimed yet: not waiting
         assert [await w.heard(writer) for w in ws] == [[transport.lane_channel(LANE)]] * 2
-        assert await transport.pass_on(writer, "w:x", [LANE]) == 0  # broadcast again
+        assert await transport.wake(writer, [LANE]) == 0  # broadcast again
         assert [await w.heard(writer) for w in ws] == [[transport.lane_channel(LANE)]] * 2
 
 
