@@ -66,6 +66,10 @@ SHEET_RACES = "tests/integration/test_sheet_races.py"
 SCHEDULER = "tests/integration/test_scheduler.py"
 TRANSPORT_SEAM = "tests/db/test_transport_seam.py"
 DROP_RACES = "tests/integration/test_drop_races.py"
+# The set of waiting workers (migration 0032): not an attempt's write, the worker's own row;
+# a statement that lost its worker predicate would move every worker in or out of the set.
+WAKE_ONE = "tests/db/test_wake_one.py"
+WAKE_ONE_RUNTIME = "tests/integration/test_wake_one_runtime.py"
 LANE_RESUME = "tests/integration/test_reclaimed_lane_resume.py"
 DURABLE = "tests/integration/test_durable.py"
 # Child spawns and rate-limit permits (issue 14): stale attempts and each predicate alone.
@@ -362,6 +366,22 @@ drop(
     "       AND l.name = r.lane\n       AND r.job_id = taken.id",
     "\n       AND r.job_id = taken.id",
     (SCHEDULER, RECOVERY),
+)
+drop(
+    "run_claim_batch.waiting_worker",
+    RUNS_SQL,
+    "run_claim_batch",
+    "     WHERE w.id = %(worker)s\n       AND (w.waiting_since IS NULL)",
+    "w.id = %(worker)s\n       AND ",
+    (WAKE_ONE, WAKE_ONE_RUNTIME),
+)
+drop(
+    "worker_stop_waiting.worker",
+    RUNS_SQL,
+    "worker_stop_waiting",
+    "WHERE id = %(id)s AND waiting_since IS NOT NULL",
+    "id = %(id)s AND ",
+    (WAKE_ONE, WAKE_ONE_RUNTIME),
 )
 drop(
     "job_drop.job_id",
