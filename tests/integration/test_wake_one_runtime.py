@@ -38,20 +38,26 @@ async def hold(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"worker": ctx.info.worker_id}
 
 
+def settings(url: str, name: str, **overrides: Any) -> Settings:
+    """A worker of this module's lane that polls once a minute unless told otherwise."""
+    given: dict[str, Any] = {
+        "concurrency": 10,
+        "grace_s": 10.0,
+        "poll_s": NO_POLL_S,
+        "worker_id": f"{name}:{uuid.uuid4().hex[:8]}",
+    }
+    return Settings(
+        url=url,
+        release=RELEASE,
+        registry=registry,
+        install_signals=False,
+        **(given | overrides),
+    )
+
+
 @contextlib.asynccontextmanager
 async def worker(url: str, name: str, *, concurrency: int = 10) -> AsyncIterator[Worker]:
-    w = Worker(
-        Settings(
-            url=url,
-            release=RELEASE,
-            registry=registry,
-            concurrency=concurrency,
-            grace_s=10.0,
-            install_signals=False,
-            poll_s=NO_POLL_S,
-            worker_id=f"{name}:{uuid.uuid4().hex[:8]}",
-        )
-    )
+    w = Worker(settings(url, name, concurrency=concurrency))
     serving = asyncio.create_task(w.run())
     ready = asyncio.create_task(w.ready.wait())
     await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
@@ -140,18 +146,7 @@ async def _running(url: str, run_id: uuid.UUID) -> bool:
 async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
     gate["hold"] = asyncio.Event()
     await submit(db_url, "echo", release=RELEASE)
-    stopping = Worker(
-        Settings(
-            url=db_url,
-            release=RELEASE,
-            registry=registry,
-            concurrency=10,
-            grace_s=30.0,
-            install_signals=False,
-            poll_s=NO_POLL_S,
-            worker_id=f"stopping:{uuid.uuid4().hex[:8]}",
-        )
-    )
+    stopping = Worker(settings(db_url, "stopping", grace_s=30.0))
     serving = asyncio.create_task(stopping.run())
     await stopping.ready.wait()
     held = await submit(db_url, "hold", release=RELEASE)
@@ -190,17 +185,7 @@ async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
         )  # fmt: skip
         channel = await runs.hold_liveness(session, frozen)
         await transport.listen_wake(session, channel)
-        w = Worker(
-            Settings(
-                url=db_url,
-                release=RELEASE,
-                registry=registry,
-                concurrency=10,
-                grace_s=10.0,
-                install_signals=False,
-                worker_id=f"polls:{uuid.uuid4().hex[:8]}",
-            )
-        )
+        w = Worker(settings(db_url, "polls", poll_s=Settings.poll_s))
         assert w.s.poll_s == 1.0  # the default
         serving = asyncio.create_task(w.run())
         await w.ready.wait()
