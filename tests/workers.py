@@ -13,7 +13,7 @@ import psycopg
 
 from queues import admission, lanes
 from worker.plays import Registry
-from worker.runtime import Settings, Worker
+from worker.runtime import CLAIM_AHEAD_UNDER_S, Settings, Worker
 
 T = TypeVar("T")
 
@@ -38,6 +38,7 @@ async def running_worker(
     grace_s: float = 2.0,
     token_secret: bytes | None = None,
     prefetch: int = 0,
+    claim_ahead_under_s: float = CLAIM_AHEAD_UNDER_S,
 ) -> AsyncIterator[Worker]:
     """A worker consuming ``release``'s lane in this event loop until the block ends."""
     worker = Worker(
@@ -50,6 +51,7 @@ async def running_worker(
             install_signals=False,
             token_secret=token_secret,
             prefetch=prefetch,
+            claim_ahead_under_s=claim_ahead_under_s,
         )
     )
     serving = asyncio.create_task(worker.run())

@@ -61,6 +61,10 @@ log = structlog.get_logger("worker.runtime")
 POLL_INTERVAL_S = 1.0
 CLAIM_BATCH_MAX = 64
 PREFETCH_MAX = 1000  # runs claimed ahead: leased while they wait, so bounded
+CLAIM_AHEAD_UNDER_S = 0.05  # plays this short are claimed ahead by default (see Settings)
+CLAIM_AHEAD_UNDER_MAX_S = 1.0
+AHEAD_PER_SLOT = 2  # runs claimed ahead for short plays, per slot
+AHEAD_HOLD_FACTOR = 20  # a run claimed ahead for short plays waits at most 20 x the bound
 HEARTBEAT_MAX_PERIOD_S = 2.0
 
 
@@ -92,6 +96,12 @@ class Settings:
     # every mode a slot is freed when its play returns (batched completion), not when its
     # final write is answered.
     prefetch: int = 0
+    # Claiming ahead for short plays, the default mode's own (prefetch 0): while the last
+    # `concurrency` plays each returned within this many seconds, the worker also claims
+    # up to twice `concurrency` runs ahead, so a freed slot does not wait for a claim's
+    # round trip. Such a run waits at most AHEAD_HOLD_FACTOR times this for a slot (1 s at
+    # the default), then is handed back (no retry spent). 0: claim only for free slots.
+    claim_ahead_under_s: float = CLAIM_AHEAD_UNDER_S
     worker_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     )
@@ -159,11 +169,20 @@ class Worker:
                 rule=f"from 0 (claim only for free slots) to {PREFETCH_MAX} runs claimed ahead",
                 fix="pass 0 for long runs, a few times the concurrency for short ones",
             )
+        if not 0 <= settings.claim_ahead_under_s <= CLAIM_AHEAD_UNDER_MAX_S:
+            raise WorkerError(
+                f"claim_ahead_under_s {settings.claim_ahead_under_s} is out of range",
+                field="claim_ahead_under_s",
+                rule=f"from 0 (never) to {CLAIM_AHEAD_UNDER_MAX_S:g} seconds",
+                fix="plays that take longer gain nothing from a claim saved; pass 0 to turn "
+                "claiming ahead for short plays off",
+            )
         self.s = settings
         self.lane_names = [lanes.lane_name(r) for r in (settings.release, *settings.adopt)]
         self.live: dict[uuid.UUID, _Live] = {}
         self.ahead: deque[runs.Claimed] = deque()  # claimed ahead, not started (prefetch)
         self.returned = 0  # live attempts whose play has returned (finishing)
+        self.short_streak = 0  # plays in a row that returned within claim_ahead_under_s
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
@@ -193,6 +212,7 @@ class Worker:
             "claims": 0,  # claim statements
             "claims_empty": 0,  # of them, those that took nothing
             "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
+            "ahead_expired": 0,  # runs claimed ahead for short plays, handed back unstarted
         }
         self.targeted = False  # a wake for this worker alone came since its last claim
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
@@ -337,6 +357,7 @@ class Worker:
             release=self.s.release,
             concurrency=self.s.concurrency,
             prefetch=self.s.prefetch,
+            claim_ahead_under_s=self.s.claim_ahead_under_s,
             connections=self.budget.as_dict(),
             pool_mode=str(self.mode),
             wakeups="listen" if listening else f"poll every {self.s.poll_s:g}s",
@@ -549,6 +570,14 @@ class Worker:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             self._fill()
+            if self.ahead and not self.s.prefetch:
+                # Claimed ahead for short plays: those still waiting when the hold ends go
+                # back to the lane, where another worker may take them.
+                asyncio.get_running_loop().call_later(
+                    self.s.claim_ahead_under_s * AHEAD_HOLD_FACTOR,
+                    self._expire_ahead,
+                    {c.run_id for c in self.ahead},
+                )
             if got < want and not self.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
@@ -572,15 +601,50 @@ class Worker:
 
     def _claim_room(self) -> int:
         """How many runs the next claim asks for (0: none is due). Enough for the free
-        slots; with ``prefetch``, also the local queue's room, topped up in batches once it
-        is down to half (not one claim per finished run)."""
+        slots; when claiming ahead (:meth:`_prefetch`), also the local queue's room, topped
+        up in batches once it is down to half (not one claim per finished run)."""
         assert self.s.concurrency is not None
         free = self.s.concurrency - self._slots_taken()
         queued = len(self.ahead)
-        prefetch = self.s.prefetch
+        prefetch = self._prefetch()
         if free > queued or (prefetch and queued <= prefetch // 2):
             return min(free + prefetch - queued, CLAIM_BATCH_MAX)
         return 0
+
+    def _prefetch(self) -> int:
+        """How many runs to claim beyond the free slots: ``prefetch`` when set; else twice
+        ``concurrency`` while plays are short (the last ``concurrency`` of them each
+        returned within ``claim_ahead_under_s``), none otherwise.
+
+        Why claiming ahead for short plays costs the lane nothing: a run waits ahead only
+        while every slot is busy, and slots whose plays return within the bound free one
+        each within it, so a run claimed ahead starts sooner than a fresh claim's round trip
+        would let any worker start it, and the next claim overlaps the running plays
+        instead of following them. A play that takes longer ends the streak at once, and
+        the hold (:meth:`_expire_ahead`) bounds the wait of runs already claimed when
+        plays turn long. Twice the slots: claims of a useful size (a claim's fixed cost is
+        most of it at ten runs), each run still started within about two plays."""
+        if self.s.prefetch:
+            return self.s.prefetch
+        concurrency = self.s.concurrency or 0
+        if self.s.claim_ahead_under_s > 0 and self.short_streak >= concurrency:
+            return concurrency * AHEAD_PER_SLOT
+        return 0
+
+    def _expire_ahead(self, run_ids: set[uuid.UUID]) -> None:
+        """Hand back the runs claimed ahead for short plays that still wait for a slot after
+        the hold: plays turned long, and another worker may start them now. Their final
+        writes are queued here, synchronously, so the drain's last flush carries any that
+        a stop overtakes."""
+        stale = [c for c in self.ahead if c.run_id in run_ids]
+        if not stale or self.stopping.is_set():
+            return  # started, dropped, or the drain hands them back
+        for c in stale:
+            self.ahead.remove(c)
+        self.short_streak = 0  # the slots stopped turning over: claim only for free ones
+        self.stats["ahead_expired"] += len(stale)
+        for future in self._hand_back(stale, "claimed_ahead_expired"):
+            future.add_done_callback(_retrieved)
 
     def _fill(self) -> None:
         """Start runs claimed ahead while slots are free; once stopping, none (they are
@@ -598,22 +662,28 @@ class Worker:
         (Claiming ahead needs the larger allowance: its final writes go out in batches
         as large as its local queue.)"""
         assert self.s.concurrency is not None
-        return len(self.live) - min(self.returned, self.s.concurrency + self.s.prefetch)
+        return len(self.live) - min(self.returned, self.s.concurrency + self._prefetch())
 
     async def _hand_back_ahead(self) -> None:
         """Runs claimed ahead and never started go back to their lanes at once, in one
         batched fenced write (a hand-back spends no retry)."""
         ahead, self.ahead = list(self.ahead), deque()
+        await asyncio.gather(
+            *self._hand_back(ahead, "claimed_ahead_handed_back"), return_exceptions=True
+        )
+
+    def _hand_back(
+        self, ahead: list[runs.Claimed], event: str
+    ) -> list[asyncio.Future[FinishStatus]]:
+        """Queue the hand-back of runs claimed ahead and never started (batched with the
+        other final writes, fenced, no retry spent); their futures."""
         if not ahead:
-            return
+            return []
         assert self.heartbeat is not None
         for c in ahead:
             self.heartbeat.untrack(c.run_id)
-        log.info("claimed_ahead_handed_back", count=len(ahead))
-        await asyncio.gather(
-            *(self._submit_finish(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead),
-            return_exceptions=True,
-        )
+        log.info(event, count=len(ahead))
+        return [self._queue_finish(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead]
 
     def _start(self, c: runs.Claimed) -> None:
         assert self.pool is not None and self.heartbeat is not None
@@ -727,6 +797,10 @@ class Worker:
         ended = await attempt.run(
             c, ctx, play, stop_reason=lambda: self._stop_reason(c.run_id), sandbox_spec=spec
         )
+        if time.perf_counter() - started < self.s.claim_ahead_under_s:
+            self.short_streak += 1
+        else:
+            self.short_streak = 0  # a long play: claim only for free slots from now on
         live = self.live.get(c.run_id)
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
@@ -800,10 +874,14 @@ class Worker:
         return status
 
     async def _submit_finish(self, final: Finish) -> FinishStatus:
+        return await asyncio.shield(self._queue_finish(final))
+
+    def _queue_finish(self, final: Finish) -> asyncio.Future[FinishStatus]:
+        """Put a final write in the finish loop's next batch; its status when written."""
         future: asyncio.Future[FinishStatus] = asyncio.get_running_loop().create_future()
         self._finishes.append((final, future))
         self._finish_ready.set()
-        return await asyncio.shield(future)
+        return future
 
     async def _finish_loop(self) -> None:
         while True:
@@ -892,6 +970,13 @@ class Worker:
             {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
             for run_id, live in list(self.live.items())
         ]
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a hand-back's outcome seen: nobody waits for it, and a refusal or a lost
+    database is already the fence's and the outage's business."""
+    if not future.cancelled():
+        future.exception()
 
 
 def on_stop_signals(callback: Callable[[], None]) -> bool:

@@ -108,6 +108,17 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     "and its timeout counts, from its claim. README: throughput.",
 )
 @click.option(
+    "--claim-ahead-under",
+    "claim_ahead_under",
+    type=Duration(maximum=runtime.CLAIM_AHEAD_UNDER_MAX_S, zero=True),
+    default="50ms",
+    show_default=True,
+    envvar="WORKER_CLAIM_AHEAD_UNDER",
+    help="With --prefetch 0: while plays return within this, also claim up to twice "
+    "--concurrency runs ahead; one waiting over 20 times this goes back to the lane "
+    "($WORKER_CLAIM_AHEAD_UNDER; 0: never). README: throughput.",
+)
+@click.option(
     "--ready-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -167,6 +178,7 @@ def start(
     concurrency: int | None,
     adopt: tuple[str, ...],
     prefetch: int,
+    claim_ahead_under: float,
     ready_file: Path | None,
     max_outage: float,
     grace: float,
@@ -213,6 +225,7 @@ def start(
         listen_url=listen,
         pool_mode=mode,
         prefetch=prefetch,
+        claim_ahead_under_s=claim_ahead_under,
     )
     # The worker has its URL: its plays inherit no database credentials from it.
     config.scrub_worker_urls()

@@ -1,0 +1,287 @@
+"""Claiming ahead for short plays, the default mode's own (``Settings.claim_ahead_under_s``).
+
+With ``prefetch`` 0, a worker whose last ``concurrency`` plays each returned within the
+bound (50 ms by default) also claims up to twice ``concurrency`` runs ahead; a longer play
+ends that at once; a run still waiting for a slot after 20 times the bound goes back to its
+lane (a hand-back: no retry spent), where another worker takes it. Each test records what
+every claim asked for (``limit``) through the real claim, against a real database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from queues import admission, lanes, recovery, runs
+from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
+from tests.workers import eventually, fetch, running_worker, submit
+
+
+@pytest.fixture
+def limits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The ``limit`` of every claim the workers make (the real claim runs)."""
+    asked: list[int] = []
+    real_claim = runs.claim
+
+    async def recorded(conn: Any, **kwargs: Any) -> Any:
+        asked.append(kwargs["limit"])
+        return await real_claim(conn, **kwargs)
+
+    monkeypatch.setattr(runs, "claim", recorded)
+    return asked
+
+
+async def prepare(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PREFETCH_DB_URL", url)
+    monkeypatch.setitem(EXECUTING, "max", 0)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await conn.execute(STARTS_DDL)
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", lease_ttl_s=300.0, heartbeat_s=1.0)
+
+
+async def admit(url: str, subs: list[tuple[str, dict[str, Any]]]) -> list[uuid.UUID]:
+    """One batch admission, in this order (the claim takes them in it)."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        admitted = await admission.submit_many(
+            conn, [admission.Submission(play=p, params=a, release="t") for p, a in subs]
+        )
+    return [a.run_id for a in admitted]
+
+
+async def succeeded(url: str, n: int) -> None:
+    async def done() -> bool:
+        rows = await fetch(url, "SELECT count(*) FROM wq_runs WHERE state = 'succeeded'")
+        return rows[0][0] == n
+
+    await eventually(done, timeout=60)
+
+
+async def attempts_of(url: str, run_ids: list[uuid.UUID]) -> list[tuple[int, str, str]]:
+    rows = await fetch(
+        url,
+        "SELECT attempt, worker_id, outcome::text FROM wq_attempts WHERE run_id = ANY(%s)",
+        (run_ids,),
+    )
+    return sorted((int(a), str(w), str(o)) for a, w, o in rows)
+
+
+async def test_short_plays_are_claimed_ahead_and_each_runs_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, limits: list[int]
+) -> None:
+    await prepare(db_url, monkeypatch)
+    run_ids = await admit(db_url, [("counted", {"i": i}) for i in range(80)])
+    async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
+        await succeeded(db_url, 80)
+    # The first claim is for the free slots; once two plays returned within the bound,
+    # claims ask for the free slots and up to four runs ahead.
+    assert limits[0] == 2
+    assert 2 < max(limits) <= 2 + 4
+    assert EXECUTING["max"] == 2  # never more plays than slots
+    assert await attempts_of(db_url, run_ids) == [(1, worker.s.worker_id, "succeeded")] * 80
+    assert worker.stats["ahead_expired"] == 0
+
+
+@pytest.mark.parametrize(
+    ("sleep_s", "under_s"),
+    [(0.08, 0.05), (0.005, 0.0)],
+    ids=["plays-longer-than-the-bound", "claiming-ahead-off"],
+)
+async def test_otherwise_claims_are_for_free_slots_only(
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    limits: list[int],
+    sleep_s: float,
+    under_s: float,
+) -> None:
+    await prepare(db_url, monkeypatch)
+    await admit(db_url, [("counted", {"i": i, "sleep_s": sleep_s}) for i in range(16)])
+    async with running_worker(
+        db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
+    ):
+        await succeeded(db_url, 16)
+    assert limits and max(limits) <= 2
+
+
+async def test_a_long_play_ends_claiming_ahead_at_once(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, limits: list[int]
+) -> None:
+    await prepare(db_url, monkeypatch)
+    async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
+        await admit(db_url, [("counted", {"i": i}) for i in range(4)])
+        await succeeded(db_url, 4)
+        assert worker._prefetch() == 4
+        await admit(db_url, [("counted", {"i": 10, "sleep_s": 0.2})])
+        await succeeded(db_url, 5)
+        assert worker._prefetch() == 0
+        del limits[:]
+        await admit(db_url, [("counted", {"i": 20 + i}) for i in range(3)])
+        await succeeded(db_url, 8)
+    # The next claim is for the free slots only; two short plays later, ahead again.
+    assert limits[0] == 2
+
+
+async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs_them(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plays turn long while runs wait ahead: after 20 times the bound (here 0.1 s, so
+    2 s) they go back to the lane, another worker runs them at once, and the first worker
+    claims only for free slots from then on (no claiming them back)."""
+    await prepare(db_url, monkeypatch)
+    under_s = 0.1
+    async with running_worker(
+        db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
+    ) as a:
+        await admit(db_url, [("counted", {"i": i}) for i in range(2)])
+        await succeeded(db_url, 2)
+        # Two plays that hold both slots (10 s), then four short ones: one claim takes all
+        # six, the short ones ahead.
+        subs = [("held", {"hold_s": 10.0, "i": i}) for i in range(2)]
+        subs += [("counted", {"i": 10 + i}) for i in range(4)]
+        run_ids = await admit(db_url, subs)
+        held, ahead = run_ids[:2], run_ids[2:]
+
+        async def all_claimed() -> bool:
+            return len(a.ahead) == 4 and len(a.live) == 2
+
+        await eventually(all_claimed, timeout=10, interval=0.01)
+        claimed_at = asyncio.get_running_loop().time()
+        async with running_worker(
+            db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
+        ) as b:
+
+            async def ahead_done() -> bool:
+                rows = await fetch(
+                    db_url,
+                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+                    (ahead,),
+                )
+                return rows[0][0] == 4
+
+            await eventually(ahead_done, timeout=8)
+            waited = asyncio.get_running_loop().time() - claimed_at
+            assert 20 * under_s - 0.1 <= waited < 20 * under_s + 3
+            assert a.stats["ahead_expired"] == 4
+            assert a._prefetch() == 0
+            assert await attempts_of(db_url, ahead) == sorted(
+                [(1, a.s.worker_id, "handed_back"), (2, b.s.worker_id, "succeeded")] * 4
+            )
+            # The held plays kept their slots and their first attempt.
+            rows = await fetch(
+                db_url,
+                "SELECT state::text, attempt, lease_owner FROM wq_runs WHERE id = ANY(%s)",
+                (held,),
+            )
+            assert rows == [("running", 1, a.s.worker_id)] * 2
+
+
+async def test_a_stop_hands_back_runs_claimed_ahead_for_short_plays(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await prepare(db_url, monkeypatch)
+    async with running_worker(db_url, registry, release="t", concurrency=1, grace_s=0.5) as worker:
+        await submit(db_url, "counted", {"i": 0})
+        await succeeded(db_url, 1)
+        run_ids = await admit(
+            db_url, [("held", {"hold_s": 600.0, "i": 1})] + [("counted", {"i": i}) for i in (2, 3)]
+        )
+
+        async def claimed() -> bool:
+            return len(worker.ahead) == 2 and len(worker.live) == 1
+
+        await eventually(claimed, timeout=10, interval=0.01)
+    rows = await fetch(
+        db_url,
+        "SELECT r.state::text, a.outcome::text FROM wq_runs r"
+        " JOIN wq_attempts a ON a.run_id = r.id WHERE r.id = ANY(%s)",
+        (run_ids,),
+    )
+    # All three back in their lane at once: the two ahead never started, the held one
+    # was handed back when the grace ended.
+    assert sorted(rows) == [("queued", "handed_back")] * 3
+    assert worker.stats["ahead_expired"] == 0  # the drain, not the hold, handed them back
+
+
+async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence of the hold's write: while runs wait ahead, their leases lapse and are
+    rescued by a recovery pass, and another worker ends them in attempt 2.
+    When the hold ends, the first worker hands back attempt 1 of each: refused by the
+    finish statement (a ``final`` refusal each), and nothing of attempt 2 changes."""
+    await prepare(db_url, monkeypatch)
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        await lanes.set_policy(conn, "t", lease_ttl_s=600.0, heartbeat_s=1.0)
+    under_s = 0.25  # a hold of 5 s
+    async with running_worker(
+        db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
+    ) as a:
+        await admit(db_url, [("counted", {"i": i}) for i in range(2)])
+        await succeeded(db_url, 2)
+        subs = [("held", {"hold_s": 30.0, "i": i}) for i in range(2)]
+        subs += [("counted", {"i": 10 + i}) for i in range(4)]
+        run_ids = await admit(db_url, subs)
+        ahead = run_ids[2:]
+
+        async def all_claimed() -> bool:
+            return len(a.ahead) == 4 and len(a.live) == 2
+
+        await eventually(all_claimed, timeout=10, interval=0.01)
+        # Which comes first after a pause, the heartbeat's report of the lost leases (the
+        # runs are dropped, nothing written; the held plays are stopped and their slots
+        # start the four) or the hold's end, is a race: the heartbeat stops watching all
+        # six here, so the hold acts, and its write meets the fence.
+        assert a.heartbeat is not None
+        for run_id in run_ids:
+            a.heartbeat.untrack(run_id)
+        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+            # The leases lapse (as if the worker had been silent past them), and a pass
+            # at the database clock rescues them.
+            await conn.execute(
+                "UPDATE wq_runs SET lease_expires_at = now() - interval '1 second'"
+                " WHERE id = ANY(%s)",
+                (run_ids,),
+            )
+            report = await recovery.run_once(conn)
+        assert report.counts()["lease_expired"] == 6
+        async with running_worker(
+            db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
+        ) as b:
+
+            async def ahead_done() -> bool:
+                rows = await fetch(
+                    db_url,
+                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+                    (ahead,),
+                )
+                return rows[0][0] == 4
+
+            await eventually(ahead_done, timeout=4)
+            assert len(a.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
+            before = await attempts_of(db_url, ahead)
+            assert before == sorted(
+                [(1, a.s.worker_id, "lease_expired"), (2, b.s.worker_id, "succeeded")] * 4
+            )
+
+            async def refused() -> bool:
+                rows = await fetch(
+                    db_url,
+                    "SELECT count(*) FROM wq_refusals WHERE run_id = ANY(%s) AND attempt = 1"
+                    " AND kind = 'final' AND worker_id = %s",
+                    (ahead, a.s.worker_id),
+                )
+                return rows[0][0] == 4
+
+            await eventually(refused, timeout=10)
+            assert a.stats["ahead_expired"] == 4
+            assert await attempts_of(db_url, ahead) == before
+            rows = await fetch(
+                db_url,
+                "SELECT DISTINCT state::text, attempt FROM wq_runs WHERE id = ANY(%s)",
+                (ahead,),
+            )
+            assert rows == [("succeeded", 2)]
