@@ -195,7 +195,7 @@ class Ours:
         # Keep history (as a user would): only wait for nothing to be queued.
         return None
 
-    def _worker(self, concurrency: int, prefetch: int = 0) -> Worker:
+    def _worker(self, concurrency: int, prefetch: int = 0, *, ahead: bool = True) -> Worker:
         settings = Settings(
             url=self.url,
             release=RELEASE,
@@ -204,15 +204,20 @@ class Ours:
             grace_s=5.0,
             install_signals=False,
             prefetch=prefetch,
+            **({} if ahead else {"claim_ahead_under_s": 0.0}),
         )
         return Worker(settings)
 
-    async def drain(self, n: int, concurrency: int, *, analyze: bool, tuned: bool) -> float:
+    async def drain(
+        self, n: int, concurrency: int, *, analyze: bool, tuned: bool, ahead: bool = True
+    ) -> float:
+        """``ahead``: the default claiming ahead for short plays (False: only for free
+        slots, ``--claim-ahead-under 0``)."""
         await self.submit_batch(n, 1000)
         if analyze:
             await self.conn.execute("ANALYZE")
         self.marks.reset()
-        worker = self._worker(concurrency, self.args.tuned_prefetch if tuned else 0)
+        worker = self._worker(concurrency, self.args.tuned_prefetch if tuned else 0, ahead=ahead)
         task = asyncio.create_task(worker.run())
         try:
             end = await drained_at(
@@ -635,6 +640,10 @@ SCENARIOS = (
     ("submit_batch", "batch submit N, statements of BATCH (runs/s)"),
     ("drain_cold", "drain N at concurrency C, cold (runs/s)"),
     ("drain_analyzed", "drain N at concurrency C, after ANALYZE (runs/s)"),
+    (
+        "drain_free_slots",
+        "drain N at concurrency C, after ANALYZE, ours claiming only for free slots (runs/s)",
+    ),
     ("drain_tuned", "drain N, each system's high-throughput mode (runs/s)"),
     ("pickup", "pickup latency p50 / p99 (ms)"),
     ("steps", "one run, S step calls (steps/s)"),
@@ -670,6 +679,11 @@ async def run_group(system: Any, group: str, args: argparse.Namespace) -> dict[s
             await phase(
                 "drain_analyzed", lambda: _rate(system.drain(n, c, analyze=True, tuned=False), n)
             )
+            if system.name == "ours":
+                await phase(
+                    "drain_free_slots",
+                    lambda: _rate(system.drain(n, c, analyze=True, tuned=False, ahead=False), n),
+                )
             if system.name in ("graphile", "ours"):
                 await phase(
                     "drain_tuned",
@@ -744,6 +758,10 @@ def figure(cell: Any, scenario: str) -> str:
     return f"{cell['per_s']:,.0f}"
 
 
+# Rows of ours alone, compared with the baselines' row of the same workload.
+BASIS = {"drain_free_slots": "drain_analyzed"}
+
+
 def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
     """ours / baseline per scenario (for pickup: baseline p50 / ours p50, above 1 = sooner)."""
     ours = results.get("ours", {})
@@ -753,7 +771,7 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
         if not isinstance(mine, dict) or "error" in mine:
             continue
         for name in SYSTEMS[1:]:
-            theirs = results.get(name, {}).get(scenario)
+            theirs = results.get(name, {}).get(BASIS.get(scenario, scenario))
             if not isinstance(theirs, dict) or "error" in theirs:
                 continue
             if scenario == "pickup":

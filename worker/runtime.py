@@ -158,6 +158,7 @@ class _Live:
     stop_reason: str | None = None  # cancel | lease_lost | handback | timeout
     finishing: bool = False  # the play is done; its final write (or cleanup) is under way
     timer: asyncio.TimerHandle | None = None  # stops the attempt at the run's timeout
+    started: float = field(default_factory=time.perf_counter)  # when its task was made
 
 
 class Worker:
@@ -622,14 +623,24 @@ class Worker:
         would let any worker start it, and the next claim overlaps the running plays
         instead of following them. A play that takes longer ends the streak at once, and
         the hold (:meth:`_expire_ahead`) bounds the wait of runs already claimed when
-        plays turn long. Twice the slots: claims of a useful size (a claim's fixed cost is
+        plays turn long (and no run is claimed ahead while the oldest play under way has
+        already taken longer). Twice the slots: claims of a useful size (a claim's fixed cost is
         most of it at ten runs), each run still started within about two plays."""
         if self.s.prefetch:
             return self.s.prefetch
-        concurrency = self.s.concurrency or 0
-        if self.s.claim_ahead_under_s > 0 and self.short_streak >= concurrency:
-            return concurrency * AHEAD_PER_SLOT
-        return 0
+        concurrency, bound = self.s.concurrency or 0, self.s.claim_ahead_under_s
+        if bound <= 0 or self.short_streak < concurrency:
+            return 0
+        # A long play under way (the oldest live attempt's play, still running past the
+        # bound) holds its slot: claim only for free slots until it returns.
+        oldest = next(iter(self.live.values()), None)
+        if (
+            oldest is not None
+            and not oldest.finishing
+            and time.perf_counter() - oldest.started >= bound
+        ):
+            return 0
+        return concurrency * AHEAD_PER_SLOT
 
     def _expire_ahead(self, run_ids: set[uuid.UUID]) -> None:
         """Hand back the runs claimed ahead for short plays that still wait for a slot after

@@ -285,7 +285,12 @@ async def test_finishing_attempts_past_their_allowance_hold_slots(
     monkeypatch.setattr(runs, "finish", held_finish)
     cap = concurrency + (concurrency + prefetch)  # running + finishing allowance
     async with running_worker(
-        db_url, registry, release="t", concurrency=concurrency, prefetch=prefetch
+        db_url,
+        registry,
+        release="t",
+        concurrency=concurrency,
+        prefetch=prefetch,
+        claim_ahead_under_s=0.0,  # prefetch 0: claims for free slots only
     ):
 
         async def at_cap() -> bool:

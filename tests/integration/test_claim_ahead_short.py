@@ -285,3 +285,29 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
                 (ahead,),
             )
             assert rows == [("succeeded", 2)]
+
+
+async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, limits: list[int]
+) -> None:
+    """A long play holding a slot (the oldest attempt under way, past the bound) stops
+    claiming ahead before it returns: short runs go through the other slot, one claim each
+    for the free slot, none waiting behind the long play."""
+    await prepare(db_url, monkeypatch)
+    async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
+        await admit(db_url, [("counted", {"i": i}) for i in range(2)])
+        await succeeded(db_url, 2)
+        assert worker._prefetch() == 4
+        await admit(db_url, [("held", {"hold_s": 3.0, "i": 9})])
+
+        async def long_under_way() -> bool:
+            return len(worker.live) == 1 and worker._prefetch() == 0
+
+        await eventually(long_under_way, timeout=10)
+        del limits[:]
+        await admit(db_url, [("counted", {"i": 10 + i}) for i in range(4)])
+        await succeeded(db_url, 6)
+        assert limits and max(limits) == 1
+        assert len(worker.live) == 1 and not worker.ahead
+        await succeeded(db_url, 7)
+    assert worker.stats["ahead_expired"] == 0
