@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
@@ -112,3 +116,20 @@ async def fetch(url: str, query: str, params: Any = None) -> list[tuple[Any, ...
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         cur = await conn.execute(query, params)  # type: ignore[arg-type]
         return await cur.fetchall()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_COMMAND = str(Path(sys.executable).parent / "worker")
+
+
+def worker_process(url: str, log: Path, *args: str, **env: str) -> subprocess.Popen[bytes]:
+    """A real ``worker start --release t ARGS`` process on ``url`` (``env``: more
+    variables), its output in ``log``."""
+    with open(log, "wb") as out:  # the process keeps its own copy
+        return subprocess.Popen(
+            [WORKER_COMMAND, "start", "--release", "t", *args],
+            env=dict(os.environ, WORKER_DATABASE_URL=url, PYTHONPATH=str(ROOT), **env),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )

@@ -29,7 +29,7 @@ import pytest
 
 from queues import admission, lanes
 from tests.apps.prefetch import STARTS_DDL, registry
-from tests.workers import eventually, fetch, running_worker
+from tests.workers import eventually, fetch, running_worker, worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
@@ -37,26 +37,17 @@ LEASE_S = 4.0
 
 
 def start_worker(url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, PREFETCH_DB_URL=url, PYTHONPATH=str(ROOT))
-    with open(tmp_path / "worker-a.log", "wb") as log:  # the process keeps its own copy
-        return subprocess.Popen(
-            [
-                WORKER,
-                "start",
-                "--release",
-                "t",
-                "--app",
-                "tests.apps.prefetch:registry",
-                "--concurrency",
-                "2",
-                "--claim-ahead-under",
-                "200ms",
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    return worker_process(
+        url,
+        tmp_path / "worker-a.log",
+        "--app",
+        "tests.apps.prefetch:registry",
+        "--concurrency",
+        "2",
+        "--claim-ahead-under",
+        "200ms",
+        PREFETCH_DB_URL=url,
+    )
 
 
 async def admit(url: str, subs: list[tuple[str, dict[str, Any]]]) -> list[uuid.UUID]:

@@ -28,7 +28,7 @@ import pytest
 
 from queues import lanes
 from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
-from tests.workers import eventually, fetch, running_worker, submit
+from tests.workers import eventually, fetch, running_worker, submit, worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
@@ -45,26 +45,17 @@ async def prepare(url: str) -> None:
 def start_worker(
     url: str, tmp_path: Path, *, concurrency: int, prefetch: int
 ) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, PREFETCH_DB_URL=url, PYTHONPATH=str(ROOT))
-    with open(tmp_path / "worker-a.log", "wb") as log:  # the process keeps its own copy
-        return subprocess.Popen(
-            [
-                WORKER,
-                "start",
-                "--release",
-                "t",
-                "--app",
-                "tests.apps.prefetch:registry",
-                "--concurrency",
-                str(concurrency),
-                "--prefetch",
-                str(prefetch),
-            ],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    return worker_process(
+        url,
+        tmp_path / "worker-a.log",
+        "--app",
+        "tests.apps.prefetch:registry",
+        "--concurrency",
+        str(concurrency),
+        "--prefetch",
+        str(prefetch),
+        PREFETCH_DB_URL=url,
+    )
 
 
 async def submit_held(url: str, n: int, hold_s: float) -> list[uuid.UUID]:

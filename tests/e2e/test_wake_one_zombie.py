@@ -23,7 +23,7 @@ import psycopg
 
 from queues import lanes
 from tests.apps.plays import registry
-from tests.workers import eventually, fetch, running_worker, submit
+from tests.workers import eventually, fetch, running_worker, submit, worker_process
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
@@ -32,15 +32,7 @@ PICKUP_S = 3.0  # a poll (1 s) or two, not a lease
 
 
 def start_worker(url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, PYTHONPATH=str(ROOT))
-    with open(tmp_path / "worker-a.log", "wb") as log:  # the process keeps its own copy
-        return subprocess.Popen(
-            [WORKER, "start", "--release", "t", "--app", "tests.apps.plays:registry"],
-            env=env,
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    return worker_process(url, tmp_path / "worker-a.log", "--app", "tests.apps.plays:registry")
 
 
 async def waiting_worker(url: str, pid: int) -> str | None:

@@ -19,6 +19,7 @@ import pytest
 from queues import admission, lanes, recovery, runs
 from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
 from tests.workers import eventually, fetch, running_worker, submit
+from worker.runtime import Worker
 
 
 @pytest.fixture
@@ -59,6 +60,35 @@ async def succeeded(url: str, n: int) -> None:
         return rows[0][0] == n
 
     await eventually(done, timeout=60)
+
+
+async def two_held_and_four_ahead(url: str, a: Worker, hold_s: float) -> list[uuid.UUID]:
+    """Two short plays (so ``a``, at concurrency 2, claims ahead), then two plays that hold
+    both slots and four short ones, admitted at once: one claim takes all six, the short
+    ones ahead. Their run ids, held first."""
+    await admit(url, [("counted", {"i": i}) for i in range(2)])
+    await succeeded(url, 2)
+    subs = [("held", {"hold_s": hold_s, "i": i}) for i in range(2)]
+    subs += [("counted", {"i": 10 + i}) for i in range(4)]
+    run_ids = await admit(url, subs)
+
+    async def all_claimed() -> bool:
+        return len(a.ahead) == 4 and len(a.live) == 2
+
+    await eventually(all_claimed, timeout=10, interval=0.01)
+    return run_ids
+
+
+async def all_succeeded(url: str, run_ids: list[uuid.UUID], timeout: float) -> None:
+    async def done() -> bool:
+        rows = await fetch(
+            url,
+            "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+            (run_ids,),
+        )
+        return rows[0][0] == len(run_ids)
+
+    await eventually(done, timeout=timeout)
 
 
 async def attempts_of(url: str, run_ids: list[uuid.UUID]) -> list[tuple[int, str, str]]:
@@ -136,33 +166,13 @@ async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs
     async with running_worker(
         db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
     ) as a:
-        await admit(db_url, [("counted", {"i": i}) for i in range(2)])
-        await succeeded(db_url, 2)
-        # Two plays that hold both slots (10 s), then four short ones: one claim takes all
-        # six, the short ones ahead.
-        subs = [("held", {"hold_s": 10.0, "i": i}) for i in range(2)]
-        subs += [("counted", {"i": 10 + i}) for i in range(4)]
-        run_ids = await admit(db_url, subs)
+        run_ids = await two_held_and_four_ahead(db_url, a, hold_s=10.0)
         held, ahead = run_ids[:2], run_ids[2:]
-
-        async def all_claimed() -> bool:
-            return len(a.ahead) == 4 and len(a.live) == 2
-
-        await eventually(all_claimed, timeout=10, interval=0.01)
         claimed_at = asyncio.get_running_loop().time()
         async with running_worker(
             db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
         ) as b:
-
-            async def ahead_done() -> bool:
-                rows = await fetch(
-                    db_url,
-                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
-                    (ahead,),
-                )
-                return rows[0][0] == 4
-
-            await eventually(ahead_done, timeout=8)
+            await all_succeeded(db_url, ahead, timeout=8)
             waited = asyncio.get_running_loop().time() - claimed_at
             assert 20 * under_s - 0.1 <= waited < 20 * under_s + 3
             assert a.stats["ahead_expired"] == 4
@@ -220,17 +230,8 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
     async with running_worker(
         db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
     ) as a:
-        await admit(db_url, [("counted", {"i": i}) for i in range(2)])
-        await succeeded(db_url, 2)
-        subs = [("held", {"hold_s": 30.0, "i": i}) for i in range(2)]
-        subs += [("counted", {"i": 10 + i}) for i in range(4)]
-        run_ids = await admit(db_url, subs)
+        run_ids = await two_held_and_four_ahead(db_url, a, hold_s=30.0)
         ahead = run_ids[2:]
-
-        async def all_claimed() -> bool:
-            return len(a.ahead) == 4 and len(a.live) == 2
-
-        await eventually(all_claimed, timeout=10, interval=0.01)
         # Which comes first after a pause, the heartbeat's report of the lost leases (the
         # runs are dropped, nothing written; the held plays are stopped and their slots
         # start the four) or the hold's end, is a race: the heartbeat stops watching all
@@ -251,16 +252,7 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
         async with running_worker(
             db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
         ) as b:
-
-            async def ahead_done() -> bool:
-                rows = await fetch(
-                    db_url,
-                    "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
-                    (ahead,),
-                )
-                return rows[0][0] == 4
-
-            await eventually(ahead_done, timeout=4)
+            await all_succeeded(db_url, ahead, timeout=4)
             assert len(a.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
             before = await attempts_of(db_url, ahead)
             assert before == sorted(
