@@ -1,7 +1,7 @@
 """Claiming ahead for short plays, the default mode's own (``Settings.claim_ahead_under_s``).
 
 With ``prefetch`` 0, a worker whose last ``concurrency`` plays each returned within the
-bound (50 ms by default) also claims up to twice ``concurrency`` runs ahead; a longer play
+bound (50 ms by default) also claims up to four times ``concurrency`` runs ahead; a longer play
 ends that at once; a run still waiting for a slot after 20 times the bound goes back to its
 lane (a hand-back: no retry spent), where another worker takes it. Each test records what
 every claim asked for (``limit``) through the real claim, against a real database.
@@ -108,9 +108,9 @@ async def test_short_plays_are_claimed_ahead_and_each_runs_once(
     async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
         await succeeded(db_url, 80)
     # The first claim is for the free slots; once two plays returned within the bound,
-    # claims ask for the free slots and up to four runs ahead.
+    # claims ask for the free slots and up to eight runs ahead.
     assert limits[0] == 2
-    assert 2 < max(limits) <= 2 + 4
+    assert 2 < max(limits) <= 2 + 8
     assert EXECUTING["max"] == 2  # never more plays than slots
     assert await attempts_of(db_url, run_ids) == [(1, worker.s.worker_id, "succeeded")] * 80
     assert worker.stats["ahead_expired"] == 0
@@ -144,7 +144,7 @@ async def test_a_long_play_ends_claiming_ahead_at_once(
     async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
         await admit(db_url, [("counted", {"i": i}) for i in range(4)])
         await succeeded(db_url, 4)
-        assert worker._prefetch() == 4
+        assert worker._prefetch() == 8
         await admit(db_url, [("counted", {"i": 10, "sleep_s": 0.2})])
         await succeeded(db_url, 5)
         assert worker._prefetch() == 0
@@ -289,7 +289,7 @@ async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
     async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
         await admit(db_url, [("counted", {"i": i}) for i in range(2)])
         await succeeded(db_url, 2)
-        assert worker._prefetch() == 4
+        assert worker._prefetch() == 8
         await admit(db_url, [("held", {"hold_s": 3.0, "i": 9})])
 
         async def long_under_way() -> bool:

@@ -114,7 +114,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     default="50ms",
     show_default=True,
     envvar="WORKER_CLAIM_AHEAD_UNDER",
-    help="With --prefetch 0: while plays return within this, also claim up to twice "
+    help="With --prefetch 0: while plays return within this, also claim up to four times "
     "--concurrency runs ahead; one waiting over 20 times this goes back to the lane "
     "($WORKER_CLAIM_AHEAD_UNDER; 0: never). README: throughput.",
 )
