@@ -613,7 +613,7 @@ class Worker:
         return 0
 
     def _prefetch(self) -> int:
-        """How many runs to claim beyond the free slots: ``prefetch`` when set; else four
+        """How many runs to claim beyond the free slots: ``prefetch`` when set; else four times
         ``concurrency`` while plays are short (the last ``concurrency`` of them each
         returned within ``claim_ahead_under_s``), none otherwise.
 
