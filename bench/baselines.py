@@ -64,7 +64,7 @@ from bench.common import (
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.plays import Registry
-from worker.runtime import Settings, Worker
+from worker.runtime import CLAIM_AHEAD_UNDER_S, Settings, Worker
 
 RELEASE = "bench"
 QUEUE = "bench"
@@ -204,7 +204,7 @@ class Ours:
             grace_s=5.0,
             install_signals=False,
             prefetch=prefetch,
-            **({} if ahead else {"claim_ahead_under_s": 0.0}),
+            claim_ahead_under_s=CLAIM_AHEAD_UNDER_S if ahead else 0.0,
         )
         return Worker(settings)
 

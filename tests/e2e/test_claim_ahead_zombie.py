@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,10 +27,9 @@ import pytest
 
 from queues import admission, lanes
 from tests.apps.prefetch import STARTS_DDL, registry
+from tests.e2e.test_cli_scheduler import cli
 from tests.workers import eventually, fetch, running_worker, worker_process
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(Path(sys.executable).parent / "worker")
 LEASE_S = 4.0
 
 
@@ -75,19 +72,9 @@ async def snapshot(url: str, run_ids: list[uuid.UUID]) -> list[Any]:
 
 async def recover(url: str) -> dict[str, Any]:
     """One real recovery pass, `worker recover --once --json`."""
-    proc = await asyncio.create_subprocess_exec(
-        WORKER,
-        "recover",
-        "--once",
-        "--json",
-        cwd=ROOT,
-        env=dict(os.environ, WORKER_DATABASE_URL=url, PYTHONPATH=str(ROOT)),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 0, err.decode()
-    report: dict[str, Any] = json.loads(out)
+    done = await cli(url, "recover", "--once", "--json")
+    assert done.code == 0, done.err
+    report: dict[str, Any] = json.loads(done.out)
     return report
 
 

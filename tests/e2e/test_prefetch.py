@@ -18,7 +18,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,6 @@ from queues import lanes
 from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
 from tests.workers import eventually, fetch, running_worker, submit, worker_process
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(Path(sys.executable).parent / "worker")
 LONG_LEASE_S = 300.0
 
 

@@ -14,7 +14,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,8 +24,6 @@ from queues import lanes
 from tests.apps.plays import registry
 from tests.workers import eventually, fetch, running_worker, submit, worker_process
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(Path(sys.executable).parent / "worker")
 LEASE_S = 4.0
 PICKUP_S = 3.0  # a poll (1 s) or two, not a lease
 

@@ -111,11 +111,12 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     "--claim-ahead-under",
     "claim_ahead_under",
     type=Duration(maximum=runtime.CLAIM_AHEAD_UNDER_MAX_S, zero=True),
-    default="50ms",
+    default=runtime.CLAIM_AHEAD_UNDER_S,
     show_default=True,
     envvar="WORKER_CLAIM_AHEAD_UNDER",
-    help="With --prefetch 0: while plays return within this, also claim up to four times "
-    "--concurrency runs ahead; one waiting over 20 times this goes back to the lane "
+    help="With --prefetch 0: while plays return within this duration, also claim up to "
+    f"{runtime.AHEAD_PER_SLOT} times --concurrency runs ahead; one waiting over "
+    f"{runtime.AHEAD_HOLD_FACTOR} times this goes back to the lane "
     "($WORKER_CLAIM_AHEAD_UNDER; 0: never). README: throughput.",
 )
 @click.option(
