@@ -710,10 +710,10 @@ async def _rate(seconds: Awaitable[float], n: int) -> dict[str, float]:
     return rate(n, await seconds)
 
 
-async def run_bench(admin_url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def run_bench(admin_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Scenario groups in turn, every system in each (so a load spike on the shared host
-    hits every system of a scenario alike), each on a fresh database."""
-    results: dict[str, Any] = {}
+    hits every system of a scenario alike), each on a fresh database; the whole sequence
+    ``--rounds`` times. One results mapping per round."""
     classes = {
         "ours": Ours,
         "plain": Plain,
@@ -721,6 +721,7 @@ async def run_bench(admin_url: str, args: argparse.Namespace) -> dict[str, Any]:
         "absurd": Absurd,
         "graphile": Graphile,
     }
+    skipped: dict[str, str] = {}
     names = []
     for name in args.systems:
         reason = None
@@ -732,20 +733,75 @@ async def run_bench(admin_url: str, args: argparse.Namespace) -> dict[str, Any]:
             except ImportError:
                 reason = "absurd-sdk not installed (pip install -e '.[bench]')"
         if reason is not None:
-            results[name] = {"skipped": reason}
+            skipped[name] = reason
             print(f"  {name}: {reason}", file=sys.stderr)
         else:
-            results[name] = {}
             names.append(name)
-    for group in GROUPS:
-        for name in names:
-            db = f"bench_{name}_{group}"
-            url = await create_database(admin_url, db)
-            try:
-                results[name] |= await run_group(classes[name](url, args), group, args)
-            finally:
-                await drop_database(admin_url, db)
-    return results
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        if args.rounds > 1:
+            print(f"round {number} of {args.rounds}", file=sys.stderr)
+        results: dict[str, Any] = {name: {"skipped": why} for name, why in skipped.items()}
+        results |= {name: {} for name in names}
+        for group in GROUPS:
+            for name in names:
+                db = f"bench_{name}_{group}"
+                url = await create_database(admin_url, db)
+                try:
+                    results[name] |= await run_group(classes[name](url, args), group, args)
+                finally:
+                    await drop_database(admin_url, db)
+        rounds.append(results)
+    return rounds
+
+
+def _median(values: list[float]) -> float:
+    return percentile(values, 50)
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds as one report: each system's figure per scenario is its median over the
+    rounds (the per-round figures beside it); each ratio is the median of the rounds' own
+    ratios (ours and the baseline from the same round, so a round's load hits both), with
+    their range. A scenario that failed in any round shows that round's error."""
+    results: dict[str, Any] = {}
+    for name, first in rounds[0].items():
+        if "skipped" in first:
+            results[name] = first
+            continue
+        results[name] = {}
+        for scenario, _ in SCENARIOS:
+            cells = [r.get(name, {}).get(scenario) for r in rounds]
+            if all(c is None for c in cells):
+                continue
+            failed = [c for c in cells if not isinstance(c, dict) or "error" in c]
+            if failed:
+                results[name][scenario] = failed[0] or {"error": "missing in a round"}
+                continue
+            if scenario == "pickup":
+                results[name][scenario] = {
+                    "n": sum(c["n"] for c in cells),
+                    "p50_ms": round(_median([c["p50_ms"] for c in cells]), 3),
+                    "p99_ms": round(_median([c["p99_ms"] for c in cells]), 3),
+                    "rounds_p50_ms": [c["p50_ms"] for c in cells],
+                }
+            else:
+                results[name][scenario] = {
+                    "n": cells[0]["n"],
+                    "per_s": round(_median([c["per_s"] for c in cells]), 1),
+                    "rounds_per_s": [c["per_s"] for c in cells],
+                }
+    each = [ratios(r) for r in rounds]
+    ratio: dict[str, dict[str, float]] = {}
+    spread: dict[str, dict[str, list[float]]] = {}
+    for scenario, _ in SCENARIOS:
+        for name in SYSTEMS[1:]:
+            values = [r[scenario][name] for r in each if name in r.get(scenario, {})]
+            if len(values) < len(rounds):
+                continue  # a round without the pair: no ratio of the rounds
+            ratio.setdefault(scenario, {})[name] = round(_median(values), 2)
+            spread.setdefault(scenario, {})[name] = [min(values), max(values)]
+    return {"results": results, "ratios": ratio, "ratio_ranges": spread}
 
 
 def figure(cell: Any, scenario: str) -> str:
@@ -783,8 +839,12 @@ def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def print_table(
-    results: dict[str, Any], ratio: dict[str, dict[str, float]], args: argparse.Namespace
+    results: dict[str, Any],
+    ratio: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    spread: dict[str, dict[str, list[float]]] | None = None,
 ) -> None:
+    """The table; with more than one round, each ratio is followed by the rounds' range."""
     names = [n for n in SYSTEMS if n in results]
     header = ["workload", *names, "ours / baseline"]
     print()
@@ -802,7 +862,11 @@ def print_table(
         cells = [figure(results.get(n, {}).get(scenario), scenario) for n in names]
         if all(c == "-" for c in cells):
             continue
-        shown = ", ".join(f"{v}x {k}" for k, v in ratio.get(scenario, {}).items())
+        ranges = (spread or {}).get(scenario, {}) if args.rounds > 1 else {}
+        shown = ", ".join(
+            f"{v}x {k}" + (f" ({ranges[k][0]}-{ranges[k][1]})" if k in ranges else "")
+            for k, v in ratio.get(scenario, {}).items()
+        )
         print("| " + " | ".join([label, *cells, shown or "-"]) + " |")
     for name in names:
         if "skipped" in results[name]:
@@ -825,8 +889,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS)
     )
     p.add_argument("--phase-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every group of every system this many times; figures are medians, "
+        "ratios the median of each round's own (with their range)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: at least 1")
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
@@ -839,9 +912,11 @@ def main(argv: list[str] | None = None) -> int:
     async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
         admin_url = server.url("postgres")
         report["server"] = await server_info(admin_url, SERVER_SETTINGS)
-        report["results"] = await run_bench(admin_url, args)
-        report["ratios"] = ratios(report["results"])
-        print_table(report["results"], report["ratios"], args)
+        rounds = await run_bench(admin_url, args)
+        report |= combine(rounds)
+        if args.rounds > 1:
+            report["rounds"] = rounds
+        print_table(report["results"], report["ratios"], args, report["ratio_ranges"])
 
     return run_on_throwaway_server(args, body)
 
