@@ -743,7 +743,7 @@ async def run_bench(admin_url: str, args: argparse.Namespace) -> list[dict[str, 
             print(f"round {number} of {args.rounds}", file=sys.stderr)
         results: dict[str, Any] = {name: {"skipped": why} for name, why in skipped.items()}
         results |= {name: {} for name in names}
-        for group in GROUPS:
+        for group in args.groups:
             for name in names:
                 db = f"bench_{name}_{group}"
                 url = await create_database(admin_url, db)
@@ -888,6 +888,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS)
     )
+    p.add_argument(
+        "--groups",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(GROUPS),
+        help=f"scenario groups to run, of {', '.join(GROUPS)} (all by default)",
+    )
     p.add_argument("--phase-timeout", type=float, default=300.0)
     p.add_argument(
         "--rounds",
@@ -900,6 +906,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: at least 1")
+    strange = set(args.groups) - set(GROUPS)
+    if strange or not args.groups:
+        what = f"unknown groups {sorted(strange)}" if strange else "no group named"
+        p.error(f"{what}; choose from {', '.join(GROUPS)}")
+    args.groups = [g for g in GROUPS if g in args.groups]  # always in the same order
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")

@@ -1,0 +1,64 @@
+"""A smoke run of ``python -m bench.baselines``: ours and plain SQL only, chosen groups,
+two rounds, tiny sizes; what it writes and prints (the bench had no run of its own in the
+suite: a change that broke it would have shown only at the next measurement)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.benches import ROOT, run_bench
+
+
+def test_bench_baselines_runs_the_chosen_groups_in_rounds(tmp_path: Path) -> None:
+    out = tmp_path / "baselines.json"
+    done = run_bench(
+        "baselines",
+        *("--systems", "ours,plain", "--groups", "drain,submit", "--rounds", "2"),
+        *("--runs", "60", "--batch", "20", "--tuned-runs", "80", "--tuned-prefetch", "20"),
+        *("--concurrency", "4", "--out", str(out)),
+        timeout=420,
+    )
+    report = json.loads(out.read_text())
+    assert report["config"]["groups"] == ["submit", "drain"]  # the bench's own order
+    rounds = report["rounds"]
+    assert len(rounds) == 2
+    for r in rounds:
+        assert set(r["ours"]) == {
+            "submit_one",
+            "submit_batch",
+            "drain_cold",
+            "drain_analyzed",
+            "drain_free_slots",
+            "drain_tuned",
+        }
+        assert set(r["plain"]) == {"submit_one", "submit_batch"}  # plain SQL does not drain
+    ours = report["results"]["ours"]
+    for scenario in ("submit_one", "drain_cold", "drain_tuned"):
+        figures = ours[scenario]["rounds_per_s"]
+        assert len(figures) == 2 and all(f > 0 for f in figures)
+        assert min(figures) <= ours[scenario]["per_s"] <= max(figures)
+    assert ours["drain_tuned"]["n"] == 80
+    low, high = report["ratio_ranges"]["submit_one"]["plain"]
+    assert low <= report["ratios"]["submit_one"]["plain"] <= high
+    assert "drain_cold" not in report["ratios"]  # no baseline drained
+    row = next(
+        line for line in done.stdout.splitlines() if line.startswith("| submit 60, one at a time")
+    )
+    assert f"x plain ({low}-{high})" in row
+    assert "pickup" not in done.stdout and "step calls" not in done.stdout
+
+
+def test_bench_baselines_refuses_an_unknown_group() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.baselines", "--groups", "drain,latency"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "unknown groups ['latency']; choose from submit, drain, pickup, steps" in done.stderr
