@@ -29,7 +29,10 @@ without Node or npm its rows say so. Absurd's SDK and schema tool come from the 
 extra (``pip install -e '.[bench]'``).
 
 Run: ``v/bin/python -m bench.baselines`` (about 3 minutes on 2 cores). Results: a table on
-stdout and ``bench/results/baselines.json``.
+stdout and ``bench/results/baselines.json``. ``--rounds K`` runs the whole sequence K times
+(figures: medians; ratios: the median of each round's own, with their range), since one
+run's ratio moves by a third with the host's load; ``--groups`` runs only some scenario
+groups (submit, drain, pickup, steps).
 """
 
 from __future__ import annotations
