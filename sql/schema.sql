@@ -712,6 +712,8 @@ BEGIN
          WHERE s.enabled
            AND s.kind <> 'progress'
          ORDER BY a.id, s.name;
+        -- The projectors: deliveries are due (their channel, migration 0033).
+        PERFORM pg_notify('wq_outbox', '');
     END IF;
     IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
         -- The progress fold (migration 0030): every column only moves forward, the

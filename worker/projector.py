@@ -15,14 +15,15 @@ exponential backoff. A mark is applied only while the lease is still this projec
 lease that lapsed mid-delivery was taken over, and the next holder delivers again with the
 same key (receivers dedupe on it).
 
-The loop (:func:`project_forever`), on a connection of its own, LISTENs on
-``wq_run_events`` (every append NOTIFYs it) and polls every ``poll_s`` as well (a lost
-notification, a retry coming due), outlives database outages (reconnecting with backoff)
-and never ends before its stop event. Inside a worker it only polls (``listen=False``):
-every append NOTIFYs every listener, so with many worker hosts the notifications would
-cost every host (and Postgres, delivering them) work per event of every run
-(``bench.scale`` measured a third less CPU per run at 8 hosts without them); a delivery
-then waits up to ``poll_s``. Behind a transaction-mode pooler it polls too.
+The loop (:func:`project_forever`), on a connection of its own, LISTENs on ``wq_outbox``
+(a statement that wrote outbox rows NOTIFYs it: an HTTP sink is enabled, migration 0033;
+it listened to every ledger append before, and ran a pass for each) and polls every
+``poll_s`` as well (a lost notification, a retry coming due), outlives database outages
+(reconnecting with backoff) and never ends before its stop event. Inside a worker it only
+polls (``listen=False``): with HTTP sinks enabled, every append would notify every worker
+host (``bench.scale`` measured a third less CPU per run at 8 hosts without such
+notifications); a delivery then waits up to ``poll_s``. Behind a transaction-mode pooler
+it polls too.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ log = structlog.get_logger("worker.projector")
 TIMEOUT_S = 5.0  # one HTTP delivery, connect to last byte
 CONCURRENCY = 10  # HTTP deliveries at once, per projector
 POLL_S = 1.0  # a pass at least this often without a notification
-CHANNEL = "wq_run_events"  # every ledger append NOTIFYs it
+CHANNEL = "wq_outbox"  # an append NOTIFYs it when it wrote outbox rows (migration 0033)
 MAX_BACKOFF_S = 5.0  # between reconnects while the database is away
 _BODY_SAMPLE = 200  # characters of a failing answer kept in last_error
 

@@ -538,6 +538,59 @@ async def test_worker_sinks_add_list_disable(db_url: str) -> None:
     assert code == 2 and "--url" in err
 
 
+async def test_a_projector_is_woken_by_the_outbox_it_has_to_deliver(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listening projector that polls once an hour: appends with no HTTP sink enabled do
+    not wake it (it ran a pass for every append when it listened to the ledger); once a
+    sink is enabled, a new event is delivered at once: only the outbox's notification
+    (migration 0033) can wake it."""
+    passes = 0
+    project_once = projector.project_once
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal passes
+        passes += 1
+        return await project_once(*args, **kwargs)
+
+    monkeypatch.setattr(projector, "project_once", counted)
+    with receiving() as receiver:
+        async with connect(db_url) as conn:
+            stop = asyncio.Event()
+            projecting = asyncio.create_task(
+                projector.project_forever(db_url, stop, owner="woken", poll_s=3600)
+            )
+            try:
+
+                async def listening() -> bool:
+                    # Its session's first statement is the LISTEN: once it has run one
+                    # and waits, it listens.
+                    cur = await conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE application_name LIKE 'wq-projector woken%%'"
+                        " AND state = 'idle' AND query <> ''"
+                    )
+                    row = await cur.fetchone()
+                    return row is not None and row[0] == 1
+
+                await eventually(listening, timeout=DEADLINE_S)
+                assert passes == 1  # the first, at start
+                for _ in range(5):  # five runs admitted, each its own append: no sink
+                    await submit(db_url, "p", release="woken")
+                await asyncio.sleep(0.2)  # time for any wake to have come (none may)
+                assert passes == 1
+                await ledger.add_sink(conn, "woken", receiver.url)
+                run_id = await submit(db_url, "p", release="woken")
+
+                async def delivered() -> bool:
+                    return receiver.keys()[f"{run_id}:1"] == 1
+
+                await eventually(delivered, timeout=DEADLINE_S)
+            finally:
+                stop.set()
+                await asyncio.wait_for(projecting, DEADLINE_S)
+
+
 async def test_worker_recover_every_projects_the_outbox_alongside(db_url: str) -> None:
     with receiving() as receiver:
         async with connect(db_url) as conn:
