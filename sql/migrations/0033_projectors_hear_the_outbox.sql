@@ -17,7 +17,8 @@
 -- before.
 --
 -- tests/db/test_outbox_channel.py: only a statement that wrote outbox rows notifies it;
--- tests/integration/test_projector.py: a projector that polls once an hour delivers at once.
+-- tests/integration/test_projector.py: a projector that polls once an hour runs no pass for
+-- appends without an HTTP sink, and delivers at once when one is enabled.
 CREATE OR REPLACE FUNCTION wq_events_appended() RETURNS trigger LANGUAGE plpgsql AS $$
 DECLARE
     v_ids text[];
