@@ -9,8 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``python -m bench.<module> args`` from the checkout; it must exit 0."""
+def run_bench(
+    module: str, *args: str, timeout: float, code: int = 0
+) -> subprocess.CompletedProcess[str]:
+    """``python -m bench.<module> args`` from the checkout; it must exit with ``code``."""
     done = subprocess.run(
         [sys.executable, "-m", f"bench.{module}", *args],
         cwd=ROOT,
@@ -19,5 +21,5 @@ def run_bench(module: str, *args: str, timeout: float) -> subprocess.CompletedPr
         text=True,
         timeout=timeout,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == code, done.stderr[-3000:]
     return done

@@ -9,28 +9,18 @@ sent has arrived when the sentinel does.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import psycopg
 
 from queues import admission, lanes, ledger
+from tests.workers import connect
 from worker import projector
 
 Conn = psycopg.AsyncConnection[Any]
 RELEASE = "outbox-channel"
 SENTINEL = "sentinel"
 DEADLINE_S = 10.0
-
-
-@asynccontextmanager
-async def connect(url: str) -> AsyncIterator[Conn]:
-    conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 async def heard(listener: Conn, writer: Conn) -> list[str]:

@@ -5,11 +5,9 @@ suite: a change that broke it would have shown only at the next measurement)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.benches import ROOT, run_bench
+from tests.benches import run_bench
 
 
 def test_bench_baselines_runs_the_chosen_groups_in_rounds(tmp_path: Path) -> None:
@@ -52,13 +50,5 @@ def test_bench_baselines_runs_the_chosen_groups_in_rounds(tmp_path: Path) -> Non
 
 
 def test_bench_baselines_refuses_an_unknown_group() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.baselines", "--groups", "drain,latency"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 2
+    done = run_bench("baselines", "--groups", "drain,latency", timeout=60, code=2)
     assert "unknown groups ['latency']; choose from submit, drain, pickup, steps" in done.stderr
