@@ -64,6 +64,7 @@ from bench.common import (
     scalar,
     server_info,
 )
+from bench.floor import Floor
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.plays import Registry
@@ -74,7 +75,7 @@ QUEUE = "bench"
 RESULTS = Path(__file__).resolve().parent / "results" / "baselines.json"
 GRAPHILE_DIR = Path(__file__).resolve().parent / "graphile"
 SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
-SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile")
+SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile", "floor")
 POLL_S = 0.02
 
 
@@ -687,7 +688,7 @@ async def run_group(system: Any, group: str, args: argparse.Namespace) -> dict[s
                     "drain_free_slots",
                     lambda: _rate(system.drain(n, c, analyze=True, tuned=False, ahead=False), n),
                 )
-            if system.name in ("graphile", "ours"):
+            if system.name in ("graphile", "ours", "floor"):
                 await phase(
                     "drain_tuned",
                     lambda: _rate(
@@ -723,6 +724,7 @@ async def run_bench(admin_url: str, args: argparse.Namespace) -> list[dict[str, 
         "procrastinate": Procrastinate,
         "absurd": Absurd,
         "graphile": Graphile,
+        "floor": Floor,
     }
     skipped: dict[str, str] = {}
     names = []
@@ -794,17 +796,21 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     "per_s": round(_median([c["per_s"] for c in cells]), 1),
                     "rounds_per_s": [c["per_s"] for c in cells],
                 }
-    each = [ratios(r) for r in rounds]
-    ratio: dict[str, dict[str, float]] = {}
-    spread: dict[str, dict[str, list[float]]] = {}
-    for scenario, _ in SCENARIOS:
-        for name in SYSTEMS[1:]:
-            values = [r[scenario][name] for r in each if name in r.get(scenario, {})]
-            if len(values) < len(rounds):
-                continue  # a round without the pair: no ratio of the rounds
-            ratio.setdefault(scenario, {})[name] = round(_median(values), 2)
-            spread.setdefault(scenario, {})[name] = [min(values), max(values)]
-    return {"results": results, "ratios": ratio, "ratio_ranges": spread}
+    report: dict[str, Any] = {"results": results}
+    for of, key in (("ours", "ratios"), ("floor", "floor_ratios")):
+        each = [ratios(r, of) for r in rounds]
+        ratio: dict[str, dict[str, float]] = {}
+        spread: dict[str, dict[str, list[float]]] = {}
+        for scenario, _ in SCENARIOS:
+            for name in baselines_of(of):
+                values = [r[scenario][name] for r in each if name in r.get(scenario, {})]
+                if len(values) < len(rounds):
+                    continue  # a round without the pair: no ratio of the rounds
+                ratio.setdefault(scenario, {})[name] = round(_median(values), 2)
+                spread.setdefault(scenario, {})[name] = [min(values), max(values)]
+        report[key] = ratio
+        report[key.replace("ratios", "ratio_ranges")] = spread
+    return report
 
 
 def figure(cell: Any, scenario: str) -> str:
@@ -821,15 +827,22 @@ def figure(cell: Any, scenario: str) -> str:
 BASIS = {"drain_free_slots": "drain_analyzed"}
 
 
-def ratios(results: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """ours / baseline per scenario (for pickup: baseline p50 / ours p50, above 1 = sooner)."""
-    ours = results.get("ours", {})
+def baselines_of(of: str) -> tuple[str, ...]:
+    """What a system is compared with: ours with every other system; the design's floor
+    with the others (not with ours, which it is the floor of)."""
+    return tuple(n for n in SYSTEMS if n not in (of, "ours"))
+
+
+def ratios(results: dict[str, Any], of: str = "ours") -> dict[str, dict[str, float]]:
+    """``of`` / baseline per scenario (for pickup: baseline p50 / its p50, above 1 =
+    sooner)."""
+    ours = results.get(of, {})
     out: dict[str, dict[str, float]] = {}
     for scenario, _ in SCENARIOS:
         mine = ours.get(scenario)
         if not isinstance(mine, dict) or "error" in mine:
             continue
-        for name in SYSTEMS[1:]:
+        for name in baselines_of(of):
             theirs = results.get(name, {}).get(BASIS.get(scenario, scenario))
             if not isinstance(theirs, dict) or "error" in theirs:
                 continue
@@ -865,15 +878,39 @@ def print_table(
         cells = [figure(results.get(n, {}).get(scenario), scenario) for n in names]
         if all(c == "-" for c in cells):
             continue
-        ranges = (spread or {}).get(scenario, {}) if args.rounds > 1 else {}
-        shown = ", ".join(
-            f"{v}x {k}" + (f" ({ranges[k][0]}-{ranges[k][1]})" if k in ranges else "")
-            for k, v in ratio.get(scenario, {}).items()
-        )
-        print("| " + " | ".join([label, *cells, shown or "-"]) + " |")
+        shown = shown_ratios(scenario, ratio, args, spread)
+        print("| " + " | ".join([label, *cells, shown]) + " |")
     for name in names:
         if "skipped" in results[name]:
             print(f"\n{name}: {results[name]['skipped']}")
+
+
+def shown_ratios(
+    scenario: str,
+    ratio: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+    spread: dict[str, dict[str, list[float]]] | None,
+) -> str:
+    """A scenario's ratios, each followed by the rounds' range when there were rounds."""
+    ranges = (spread or {}).get(scenario, {}) if args.rounds > 1 else {}
+    shown = ", ".join(
+        f"{v}x {k}" + (f" ({ranges[k][0]}-{ranges[k][1]})" if k in ranges else "")
+        for k, v in ratio.get(scenario, {}).items()
+    )
+    return shown or "-"
+
+
+def print_floor(report: dict[str, Any], args: argparse.Namespace) -> None:
+    """The design's floor against the baselines (bench/floor.py): a target the floor misses
+    cannot be met while the design holds."""
+    ratio = report.get("floor_ratios") or {}
+    if not ratio:
+        return
+    spread = report.get("floor_ratio_ranges")
+    print("\nthe design's floor (bench/floor.py) / baseline:")
+    for scenario, template in SCENARIOS:
+        if scenario in ratio:
+            print(f"- {template}: {shown_ratios(scenario, ratio, args, spread)}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -931,6 +968,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds > 1:
             report["rounds"] = rounds
         print_table(report["results"], report["ratios"], args, report["ratio_ranges"])
+        print_floor(report, args)
 
     return run_on_throwaway_server(args, body)
 

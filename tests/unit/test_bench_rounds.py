@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.baselines import combine, parse_args, print_table
+from bench.baselines import combine, parse_args, print_floor, print_table
 
 
 def rate(per_s: float) -> dict[str, float]:
@@ -96,3 +96,33 @@ def test_one_round_prints_no_range(capsys: pytest.CaptureFixture[str]) -> None:
     print_table(report["results"], report["ratios"], args, report["ratio_ranges"])
     out = capsys.readouterr().out
     assert "0.93x graphile |" in out and "(0.93-0.93)" not in out
+
+
+def test_the_floor_is_compared_with_the_baselines_not_with_ours(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rounds = []
+    for floor_p50, floor_rate in ((0.8, 3000.0), (1.0, 2200.0), (0.9, 2600.0)):
+        r = round_of(2000.0, 2000.0, (2.0, 1.0))
+        r["floor"] = {
+            "drain_analyzed": rate(floor_rate),
+            "pickup": {"n": 200, "p50_ms": floor_p50, "p99_ms": 2.0},
+        }
+        rounds.append(r)
+    report = combine(rounds)
+    # Ours against the floor too (2000 / 2600 in the middle round) ...
+    assert report["ratios"]["drain_analyzed"]["floor"] == 0.77
+    # ... and the floor against the others, never against ours.
+    assert report["floor_ratios"]["drain_analyzed"] == {"graphile": 1.3}
+    assert report["floor_ratio_ranges"]["drain_analyzed"]["graphile"] == [1.1, 1.5]
+    assert report["floor_ratios"]["pickup"] == {"graphile": 1.11}
+    assert "drain_free_slots" not in report["floor_ratios"]  # ours alone
+    print_floor(report, parse_args(["--rounds", "3"]))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "the design's floor (bench/floor.py) / baseline:"
+    assert "- drain N at concurrency C, after ANALYZE (runs/s): 1.3x graphile (1.1-1.5)" in out
+
+
+def test_no_floor_prints_no_floor_line(capsys: pytest.CaptureFixture[str]) -> None:
+    print_floor(combine([round_of(1869.0, 2016.0, (2.2, 1.1))]), parse_args([]))
+    assert capsys.readouterr().out == ""
