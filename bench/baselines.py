@@ -1,4 +1,5 @@
-"""This system beside plain SQL, procrastinate, Absurd and Graphile Worker, in one run.
+"""This system beside plain SQL, procrastinate, Absurd, Graphile Worker and the design's
+floor, in one run.
 
 One throwaway Postgres at server defaults (autovacuum on), one fresh database per system,
 the same scenario shapes for every system, each figure printed beside its baselines' with
@@ -23,6 +24,12 @@ the ratio ours / baseline:
   system's submitter and worker share a process).
 - **steps**: one run that calls its step function ``--steps`` times (ours ``ctx.step``,
   Absurd ``ctx.step``), timed inside the run.
+
+**The design's floor** (``floor``, :mod:`bench.floor`) does in every scenario but the steps
+exactly the writes DESIGN.md requires of a run, one plain statement each on minimal tables:
+ours is compared with it like with any baseline, and it is compared with the others (not
+with ours), printed below the table. A target the floor misses cannot be met while the
+design holds.
 
 Graphile Worker runs in Node (``bench/graphile``, installed there with npm on first use);
 without Node or npm its rows say so. Absurd's SDK and schema tool come from the ``bench``
