@@ -37,8 +37,7 @@ from typing import Any
 from bench.common import BenchError, connect, scalar
 from queues import migrations
 
-LANE = "floor"
-CHANNEL = "floor_lane"
+CHANNEL = "floor_lane"  # the lane's channel: admission NOTIFYs it, the pickup LISTENs
 
 TABLES = """
 CREATE TABLE f_lanes (name text PRIMARY KEY, state text NOT NULL);
@@ -82,7 +81,7 @@ WITH lane AS (
     SELECT run.id, 'run_created', '{"play": "noop", "lane": "floor", "org": "default"}'
       FROM run
 )
-SELECT (SELECT count(*) FROM job), pg_notify('floor_lane', '')
+SELECT (SELECT count(*) FROM job), pg_notify(%(channel)s, '')
 """
 
 # A claim (DESIGN section 7): the due jobs taken in order, SKIP LOCKED; each run leased at
@@ -162,7 +161,7 @@ class Floor:
     async def _submit(self, first: int, count: int) -> None:
         ids = [uuid.uuid4() for _ in range(count)]
         params = [json.dumps({"i": i}) for i in range(first, first + count)]
-        await self.conn.execute(SUBMIT, {"ids": ids, "params": params})
+        await self.conn.execute(SUBMIT, {"ids": ids, "params": params, "channel": CHANNEL})
 
     async def submit_one(self, n: int) -> float:
         t0 = time.perf_counter()
@@ -239,6 +238,8 @@ class Floor:
                 await asyncio.sleep(spacing_s)
             deadline = time.perf_counter() + 10
             while len(started) < samples:
+                if task.done():
+                    task.result()  # the listener's failure, not a timeout
                 if time.perf_counter() > deadline:
                     raise BenchError(f"the floor started {len(started)} of {samples} pickups")
                 await asyncio.sleep(0.05)

@@ -103,3 +103,16 @@ async def test_a_drain_runs_every_run_once(db_url: str) -> None:
         }
     finally:
         await floor.close()
+
+
+async def test_a_pickup_starts_every_run_it_hears_of(db_url: str) -> None:
+    floor = await floor_on(db_url)
+    try:
+        latencies = await floor.pickup(5, 0.01, 10)
+        # From the submit call's return: the claim's answer may be handled first (the
+        # submitter and the listener share this process's loop), so a latency may be < 0.
+        assert len(latencies) == 5 and all(-1 < s < 5 for s in latencies)
+        cur = await floor.conn.execute("SELECT state, count(*) FROM f_runs GROUP BY 1")
+        assert await cur.fetchall() == [("succeeded", 5)]
+    finally:
+        await floor.close()
