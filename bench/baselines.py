@@ -70,6 +70,7 @@ from bench.common import (
     run_on_throwaway_server,
     scalar,
     server_info,
+    wait_until,
 )
 from bench.floor import Floor
 from queues import admission, lanes, migrations
@@ -83,7 +84,6 @@ RESULTS = Path(__file__).resolve().parent / "results" / "baselines.json"
 GRAPHILE_DIR = Path(__file__).resolve().parent / "graphile"
 SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
 SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile", "floor")
-POLL_S = 0.02
 
 
 def latency_summary(seconds: list[float]) -> dict[str, float]:
@@ -116,14 +116,6 @@ class FirstStart:
     def reset(self) -> None:
         self.first = None
         self.started = {}
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out waiting for {what}")
-        await asyncio.sleep(POLL_S)
 
 
 async def drained_at(
@@ -804,7 +796,10 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     "rounds_per_s": [c["per_s"] for c in cells],
                 }
     report: dict[str, Any] = {"results": results}
-    for of, key in (("ours", "ratios"), ("floor", "floor_ratios")):
+    for of, key, ranges_key in (
+        ("ours", "ratios", "ratio_ranges"),
+        ("floor", "floor_ratios", "floor_ratio_ranges"),
+    ):
         each = [ratios(r, of) for r in rounds]
         ratio: dict[str, dict[str, float]] = {}
         spread: dict[str, dict[str, list[float]]] = {}
@@ -816,7 +811,7 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 ratio.setdefault(scenario, {})[name] = round(_median(values), 2)
                 spread.setdefault(scenario, {})[name] = [min(values), max(values)]
         report[key] = ratio
-        report[key.replace("ratios", "ratio_ranges")] = spread
+        report[ranges_key] = spread
     return report
 
 
@@ -843,10 +838,10 @@ def baselines_of(of: str) -> tuple[str, ...]:
 def ratios(results: dict[str, Any], of: str = "ours") -> dict[str, dict[str, float]]:
     """``of`` / baseline per scenario (for pickup: baseline p50 / its p50, above 1 =
     sooner)."""
-    ours = results.get(of, {})
+    own = results.get(of, {})
     out: dict[str, dict[str, float]] = {}
     for scenario, _ in SCENARIOS:
-        mine = ours.get(scenario)
+        mine = own.get(scenario)
         if not isinstance(mine, dict) or "error" in mine:
             continue
         for name in baselines_of(of):

@@ -105,6 +105,19 @@ def quiet_logging() -> None:
     )
 
 
+WAIT_POLL_S = 0.02  # how often wait_until asks again
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    """Ask ``check`` until it says yes; a :class:`BenchError` naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out waiting for {what}")
+        await asyncio.sleep(WAIT_POLL_S)
+
+
 def sigterm_exits(_signum: int, _frame: Any) -> None:
     """A SIGTERM handler that unwinds (so the throwaway server is stopped and removed)."""
     raise SystemExit(143)

@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import BenchError, connect, scalar
+from bench.common import BenchError, connect, scalar, wait_until
 from queues import migrations
 
 CHANNEL = "floor_lane"  # the lane's channel: admission NOTIFYs it, the pickup LISTENs
@@ -236,13 +236,13 @@ class Floor:
                 await self._submit(i, 1)
                 returned[i] = time.perf_counter()
                 await asyncio.sleep(spacing_s)
-            deadline = time.perf_counter() + 10
-            while len(started) < samples:
+
+            async def all_started() -> bool:
                 if task.done():
                     task.result()  # the listener's failure, not a timeout
-                if time.perf_counter() > deadline:
-                    raise BenchError(f"the floor started {len(started)} of {samples} pickups")
-                await asyncio.sleep(0.05)
+                return len(started) >= samples
+
+            await wait_until(all_started, 10, "pickups")
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

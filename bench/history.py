@@ -51,7 +51,7 @@ from typing import Any, LiteralString
 
 import psycopg
 
-from bench.baselines import FirstStart, drained_at, wait_until
+from bench.baselines import FirstStart, drained_at
 from bench.common import (
     BenchError,
     connect,
@@ -60,6 +60,7 @@ from bench.common import (
     run_on_throwaway_server,
     scalar,
     server_info,
+    wait_until,
 )
 from bench.throughput import server_cpu_s
 from queues import admission, lanes, migrations, recovery
