@@ -52,7 +52,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from queues.errors import EmbeddedPostgresError
-from worker import postmaster
+from worker import files, postmaster
 from worker.postmaster import PidFile, read_pidfile
 
 log = structlog.get_logger(__name__)
@@ -930,9 +930,7 @@ def _read_meta(home: Path) -> dict[str, object]:
 
 
 def _write_meta(home: Path, **fields: object) -> None:
-    tmp = home / f".embedded.json.{os.getpid()}"
-    tmp.write_text(json.dumps(fields, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, home / "embedded.json")
+    files.replace_atomically(home / "embedded.json", json.dumps(fields, indent=2) + "\n")
 
 
 def _meta_int(meta: dict[str, object], key: str) -> int | None:

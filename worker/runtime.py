@@ -48,7 +48,7 @@ from queues import authority, lanes, migrations, outcomes, runs, transport
 from queues import recovery as passes
 from queues.errors import DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
-from worker import attempt, connections, db, gateway, projector, recovery, scheduler
+from worker import attempt, connections, db, files, gateway, projector, recovery, scheduler
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import LocalTransport
@@ -348,8 +348,9 @@ class Worker:
         if listening:
             tasks.append(asyncio.create_task(self._notify_loop(), name="listen"))
         if self.s.ready_file is not None:
-            self.s.ready_file.write_text(
-                json.dumps({"worker_id": self.s.worker_id, "lanes": self.lane_names})
+            files.replace_atomically(
+                self.s.ready_file,
+                json.dumps({"worker_id": self.s.worker_id, "lanes": self.lane_names}),
             )
         assert self.budget is not None
         log.info(
