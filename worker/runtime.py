@@ -3,11 +3,12 @@
 procrastinate is the transport (:mod:`queues.transport`): runs are procrastinate jobs on
 the lane (a procrastinate queue), inserted by admission. A worker whose last claim came
 back short waits for work: a new job wakes one such worker on its own channel, in turns,
-or, with nobody waiting, every worker on the lane's channel (migration 0032). The worker
-claims jobs in batches (the transport takes up to N jobs, then one statement starts N
-attempts) and writes finished attempts in batches (one fenced
-statement finishes N runs and their jobs), which is where it gains on one-job-at-a-time
-fetching.
+or, with nobody waiting, every worker on the lane's channel (migration 0032); a wake that
+comes while the claim loop waits is claimed by the LISTEN loop in the turn that read it
+(:meth:`Worker._claim_woken`). The worker claims jobs in batches (the transport takes up
+to N jobs, then one statement starts N attempts) and writes finished attempts in batches
+(one fenced statement finishes N runs and their jobs), which is where it gains on
+one-job-at-a-time fetching.
 
 Loops here own the when; :mod:`worker.attempt` owns what one attempt's end means, and
 ``queues`` owns the what. The heartbeat runs in a thread of its own
@@ -213,9 +214,13 @@ class Worker:
             "claims": 0,  # claim statements
             "claims_empty": 0,  # of them, those that took nothing
             "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
+            "claims_on_wake": 0,  # of the claims, those the LISTEN loop made (_claim_woken)
             "ahead_expired": 0,  # runs claimed ahead for short plays, handed back unstarted
         }
         self.targeted = False  # a wake for this worker alone came since its last claim
+        self._claim_lock = asyncio.Lock()  # one claim at a time (_claim)
+        self._idle = False  # the claim loop waits for a wake (_claim_woken)
+        self._plays: list[str] = []  # the registry's plays, as the claim loop began
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -409,6 +414,8 @@ class Worker:
             # A claim under way when the stop came lands in the local queue: let it land,
             # then hand back everything claimed ahead.
             await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
+        async with self._claim_lock:
+            pass  # and so does one the LISTEN loop made for a wake (no claim starts now)
         # Out of the set of waiting workers: spawns wake the others from now on.
         await self._pass_on(leaving=True)
         await self._hand_back_ahead()
@@ -467,9 +474,28 @@ class Worker:
                                 passing = asyncio.create_task(self._pass_on())
                                 self._passing.add(passing)
                                 passing.add_done_callback(self._passing.discard)
+                        if await self._claim_woken():
+                            continue
                         self.wake.set()
             except (*TRANSIENT, DatabaseUnreachable) as exc:
                 await outage.failed(exc)
+
+    async def _claim_woken(self) -> bool:
+        """Claim for a wake right here, in the LISTEN loop's turn that read it, when the
+        claim loop is waiting for work: the claim goes out before anything else the
+        event loop has ready (a hop to the claim loop's task queued it behind them).
+        False: the claim loop is busy or there is no room; it is woken instead."""
+        if not self._idle or self._claim_lock.locked() or self._claim_room() <= 0:
+            return False
+        try:
+            got, want = await self._claim()
+        except TRANSIENT as exc:
+            log.warning("claim_on_wake_failed", error=repr(exc)[:300])
+            return False  # the claim loop claims, and accounts for the outage
+        self.stats["claims_on_wake"] += bool(want)
+        if want and got >= want:
+            self.wake.set()  # it took all it asked for: the claim loop looks for more
+        return True
 
     async def _peers_loop(self) -> None:
         """Between recovery passes, every heartbeat period: rescue the leases of workers
@@ -532,7 +558,7 @@ class Worker:
 
     async def _claim_loop(self) -> None:
         assert self.pool is not None and self.s.concurrency is not None
-        plays = sorted(self.s.registry.names())
+        self._plays = sorted(self.s.registry.names())
         outage = _Outage("claim", self.s.max_outage_s)
         while not self.stopping.is_set():
             want = self._claim_room()
@@ -543,22 +569,46 @@ class Worker:
                 self.capacity.clear()
                 await self.capacity.wait()
                 continue
-            self.wake.clear()
-            self.targeted = False  # this claim sees every job whose wake came before it
             try:
-                async with self.pool.connection() as conn:
-                    claimed = await runs.claim(
-                        conn,
-                        lanes=self.lane_names,
-                        worker_id=self.s.worker_id,
-                        limit=want,
-                        plays=plays,
-                        procrastinate_worker=self.procrastinate_id,
-                    )
+                got, want = await self._claim()
             except TRANSIENT as exc:
                 await outage.failed(exc)
                 continue
             outage.ok()
+            if got < want and not self.stopping.is_set():
+                # Waiting for work. A wake that comes now is claimed by the LISTEN loop
+                # itself (_notify_loop), in the turn that read it; this loop claims again
+                # at the next poll, or when woken for anything else.
+                self._idle = True
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.s.poll_s):
+                            await self.wake.wait()
+                finally:
+                    self._idle = False
+
+    async def _claim(self) -> tuple[int, int]:
+        """One claim of what there is room for (:meth:`_claim_room`, counted once the claim
+        before it has landed); starts what fits in the free slots and keeps the rest
+        claimed ahead. Claims are one at a time: the claim loop's, or the LISTEN loop's
+        for a wake that came while the claim loop was waiting (:meth:`_claim_woken`).
+        Returns how many runs it took and how many it asked for."""
+        assert self.pool is not None
+        async with self._claim_lock:
+            want = self._claim_room()
+            if want <= 0 or self.stopping.is_set():
+                return 0, 0
+            self.wake.clear()
+            self.targeted = False  # this claim sees every job whose wake came before it
+            async with self.pool.connection() as conn:
+                claimed = await runs.claim(
+                    conn,
+                    lanes=self.lane_names,
+                    worker_id=self.s.worker_id,
+                    limit=want,
+                    plays=self._plays,
+                    procrastinate_worker=self.procrastinate_id,
+                )
             self.stats["claims"] += 1
             self.stats["claims_empty"] += not claimed
             got = 0
@@ -580,9 +630,7 @@ class Worker:
                     self._expire_ahead,
                     {c.run_id for c in self.ahead},
                 )
-            if got < want and not self.stopping.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), self.s.poll_s)
+            return got, want
 
     async def _pass_on(self, *, leaving: bool = False) -> None:
         """Pass a wake meant for this worker alone on to the lanes' other claimers, when it
