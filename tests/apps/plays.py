@@ -18,7 +18,10 @@ SLOW_S = 30.0
 
 @registry.play("slow")
 async def slow(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
-    """Blocks for 30 s on its first attempt (long enough to be handed back); later ones return."""
+    """Blocks for 30 s on its first attempt (long enough to be handed back); later ones return.
+    Its ledger says when the play began (``play.began``): a run's state is ``running`` from
+    its claim, before the play itself runs."""
+    await ctx.log_event("began")
     if ctx.attempt <= 1:
         await asyncio.sleep(float(params.get("seconds", SLOW_S)))
     return {"attempt": ctx.attempt, "worker": ctx.info.worker_id}
