@@ -414,8 +414,11 @@ class Worker:
             # A claim under way when the stop came lands in the local queue: let it land,
             # then hand back everything claimed ahead.
             await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
-        async with self._claim_lock:
-            pass  # and so does one the LISTEN loop made for a wake (no claim starts now)
+        # And so does one the LISTEN loop made for a wake (no claim starts now), within
+        # the same bound.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.s.max_outage_s + 5), self._claim_lock:
+                pass
         # Out of the set of waiting workers: spawns wake the others from now on.
         await self._pass_on(leaving=True)
         await self._hand_back_ahead()
@@ -443,7 +446,9 @@ class Worker:
 
     async def _notify_loop(self) -> None:
         """LISTEN for the lanes' jobs and for control messages; reconnect when cut off. The
-        LISTEN session is always a session (a direct or session-mode URL), never pooled."""
+        LISTEN session is always a session (a direct or session-mode URL), never pooled. A
+        wake that comes while the claim loop waits for work is claimed here
+        (:meth:`_claim_woken`)."""
         assert self.listen_url is not None
         outage = _Outage("listen", self.s.max_outage_s)
         while True:
