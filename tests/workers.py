@@ -43,8 +43,10 @@ async def running_worker(
     token_secret: bytes | None = None,
     prefetch: int = 0,
     claim_ahead_under_s: float = CLAIM_AHEAD_UNDER_S,
+    **settings: Any,
 ) -> AsyncIterator[Worker]:
-    """A worker consuming ``release``'s lane in this event loop until the block ends."""
+    """A worker consuming ``release``'s lane in this event loop until the block ends
+    (``settings``: more of its :class:`Settings`, such as ``poll_s``)."""
     worker = Worker(
         Settings(
             url=url,
@@ -56,6 +58,7 @@ async def running_worker(
             token_secret=token_secret,
             prefetch=prefetch,
             claim_ahead_under_s=claim_ahead_under_s,
+            **settings,
         )
     )
     serving = asyncio.create_task(worker.run())

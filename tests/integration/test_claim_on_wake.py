@@ -9,14 +9,14 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from queues import admission, lanes, runs
-from tests.workers import connect, eventually, fetch, run_state, submit
+from tests.workers import connect, eventually, fetch, run_state, running_worker, submit
 from worker.context import RunContext
 from worker.plays import Registry
-from worker.runtime import Settings, Worker
+from worker.runtime import Worker
 
 RELEASE = "onwake"
 NO_POLL_S = 60.0
@@ -36,32 +36,15 @@ async def hold(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"i": params.get("i")}
 
 
-@contextlib.asynccontextmanager
-async def worker(url: str, **overrides: Any) -> AsyncIterator[Worker]:
+def worker(url: str, **overrides: Any) -> AbstractAsyncContextManager[Worker]:
+    """A worker of this module's lane that polls once a minute unless told otherwise."""
     given: dict[str, Any] = {
         "concurrency": 10,
         "grace_s": 10.0,
         "poll_s": NO_POLL_S,
         "worker_id": f"onwake:{uuid.uuid4().hex[:8]}",
     }
-    w = Worker(
-        Settings(
-            url=url,
-            release=RELEASE,
-            registry=registry,
-            install_signals=False,
-            **(given | overrides),
-        )
-    )
-    serving = asyncio.create_task(w.run())
-    ready = asyncio.create_task(w.ready.wait())
-    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
-    assert not serving.done(), serving.result()
-    try:
-        yield w
-    finally:
-        w.stop()
-        await asyncio.wait_for(serving, 40)
+    return running_worker(url, registry, release=RELEASE, **(given | overrides))
 
 
 async def _waiting(url: str, w: Worker) -> bool:
