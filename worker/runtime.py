@@ -220,6 +220,7 @@ class Worker:
         self.targeted = False  # a wake for this worker alone came since its last claim
         self._claim_lock = asyncio.Lock()  # one claim at a time (_claim)
         self._idle = False  # the claim loop waits for a wake (_claim_woken)
+        self._poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
         self._plays: list[str] = []  # the registry's plays, as the claim loop began
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
 
@@ -500,6 +501,10 @@ class Worker:
         self.stats["claims_on_wake"] += bool(want)
         if want and got >= want:
             self.wake.set()  # it took all it asked for: the claim loop looks for more
+        elif self._poll is not None:
+            # A claim has just looked: the claim loop's next poll is a period from now, as
+            # after a claim of its own (else an idle worker woken in turns polled in vain).
+            self._poll.reschedule(asyncio.get_running_loop().time() + self.s.poll_s)
         return True
 
     async def _peers_loop(self) -> None:
@@ -587,10 +592,11 @@ class Worker:
                 self._idle = True
                 try:
                     with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.s.poll_s):
+                        async with asyncio.timeout(self.s.poll_s) as self._poll:
                             await self.wake.wait()
                 finally:
                     self._idle = False
+                    self._poll = None
 
     async def _claim(self) -> tuple[int, int]:
         """One claim of what there is room for (:meth:`_claim_room`, counted once the claim

@@ -1,6 +1,7 @@
 """A wake that comes while the claim loop waits is claimed by the LISTEN loop itself, in the
-turn that read it; claims stay one at a time, never take more than there is room for, and a
-stop hands back whatever such a claim took. Real workers on real connections.
+turn that read it; claims stay one at a time, never take more than there is room for, put
+off the claim loop's poll, and a stop hands back whatever such a claim took. Real workers
+on real connections.
 """
 
 from __future__ import annotations
@@ -77,6 +78,34 @@ async def test_a_wake_is_claimed_by_the_listen_loop(db_url: str) -> None:
         assert w.stats["claims_on_wake"] - before["claims_on_wake"] == runs, w.stats
         assert w.stats["claims"] - before["claims"] == runs, w.stats
         assert w.stats["claims_empty"] == before["claims_empty"], w.stats
+
+
+async def test_claims_on_wake_put_off_the_poll(db_url: str) -> None:
+    """A claim the LISTEN loop made has just looked for work: the claim loop's poll comes a
+    period after it, as after a claim of its own. Runs admitted every 0.1 s to a worker
+    polling every second make no empty claim (without the reschedule: one a second)."""
+    await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
+    async with worker(db_url, poll_s=1.0) as w:
+        await eventually(lambda: _waiting(db_url, w))
+        await asyncio.sleep(0.2)  # its claim loop is back in its wait
+        first = await submit(db_url, "echo", {"i": -1}, release=RELEASE)
+        await eventually(lambda: _succeeded(db_url, first), timeout=5)
+        before = dict(w.stats)
+        admitted = []
+        for i in range(30):
+            admitted.append(await submit(db_url, "echo", {"i": i}, release=RELEASE))
+            await asyncio.sleep(0.1)
+
+        async def all_done() -> bool:
+            return all([await _succeeded(db_url, r) for r in admitted])
+
+        await eventually(all_done, timeout=10)
+        assert w.stats["claims_empty"] == before["claims_empty"], w.stats
+        assert w.stats["claims"] - before["claims"] == 30, w.stats
+
+
+async def _succeeded(url: str, run_id: uuid.UUID) -> bool:
+    return await run_state(url, run_id) == "succeeded"
 
 
 async def _running(url: str, w: Worker) -> int:
