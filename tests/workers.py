@@ -115,6 +115,15 @@ async def run_state(url: str, run_id: uuid.UUID) -> str:
     return str(row[0])
 
 
+async def waiting_for_work(url: str, worker: Worker) -> bool:
+    """Whether ``worker`` is in the set of workers waiting for work (its last claim came
+    back short: a spawn may wake it on its own channel, migration 0032)."""
+    rows = await fetch(
+        url, "SELECT waiting_since FROM wq_workers WHERE id = %s", (worker.s.worker_id,)
+    )
+    return bool(rows) and rows[0][0] is not None
+
+
 async def fetch(url: str, query: str, params: Any = None) -> list[tuple[Any, ...]]:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         cur = await conn.execute(query, params)  # type: ignore[arg-type]

@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import uuid
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from queues import admission, lanes, runs
-from tests.workers import connect, eventually, fetch, run_state, running_worker, submit
+from tests.workers import (
+    connect,
+    eventually,
+    fetch,
+    run_state,
+    running_worker,
+    submit,
+    waiting_for_work,
+)
 from worker.context import RunContext
 from worker.plays import Registry
 from worker.runtime import Worker
@@ -48,11 +57,6 @@ def worker(url: str, **overrides: Any) -> AbstractAsyncContextManager[Worker]:
     return running_worker(url, registry, release=RELEASE, **(given | overrides))
 
 
-async def _waiting(url: str, w: Worker) -> bool:
-    rows = await fetch(url, "SELECT waiting_since FROM wq_workers WHERE id = %s", (w.s.worker_id,))
-    return bool(rows) and rows[0][0] is not None
-
-
 async def _attempts(url: str, run_id: uuid.UUID) -> int:
     rows = await fetch(url, "SELECT count(*) FROM wq_attempts WHERE run_id = %s", (run_id,))
     return int(rows[0][0])
@@ -61,18 +65,14 @@ async def _attempts(url: str, run_id: uuid.UUID) -> int:
 async def test_a_wake_is_claimed_by_the_listen_loop(db_url: str) -> None:
     await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
     async with worker(db_url) as w:
-        await eventually(lambda: _waiting(db_url, w))
+        await eventually(lambda: waiting_for_work(db_url, w))
         await asyncio.sleep(0.2)  # its claim loop is back in its wait
         before = dict(w.stats)
         runs = 6
         for i in range(runs):
             run_id = await submit(db_url, "echo", {"i": i}, release=RELEASE)
-
-            async def succeeded(run_id: uuid.UUID = run_id) -> bool:
-                return await run_state(db_url, run_id) == "succeeded"
-
             # Far below the poll (a minute): only the wake picked it up.
-            await eventually(succeeded, timeout=5)
+            await eventually(functools.partial(_succeeded, db_url, run_id), timeout=5)
             assert await _attempts(db_url, run_id) == 1
         # Each run was one claim, made by the LISTEN loop; the claim loop made none.
         assert w.stats["claims_on_wake"] - before["claims_on_wake"] == runs, w.stats
@@ -86,7 +86,7 @@ async def test_claims_on_wake_put_off_the_poll(db_url: str) -> None:
     polling every second make no empty claim (without the reschedule: one a second)."""
     await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
     async with worker(db_url, poll_s=1.0) as w:
-        await eventually(lambda: _waiting(db_url, w))
+        await eventually(lambda: waiting_for_work(db_url, w))
         await asyncio.sleep(0.2)  # its claim loop is back in its wait
         first = await submit(db_url, "echo", {"i": -1}, release=RELEASE)
         await eventually(lambda: _succeeded(db_url, first), timeout=5)
@@ -126,7 +126,7 @@ async def test_two_claimers_never_take_more_than_the_free_slots(db_url: str) -> 
     async with connect(db_url) as conn:
         await lanes.prepare(conn, RELEASE)
     async with worker(db_url, concurrency=slots, poll_s=0.02, claim_ahead_under_s=0.0) as w:
-        await eventually(lambda: _waiting(db_url, w))
+        await eventually(lambda: waiting_for_work(db_url, w))
         run_ids: list[uuid.UUID] = []
 
         async def admit(k: int) -> None:
@@ -185,7 +185,7 @@ async def test_a_stop_hands_back_what_a_claim_on_wake_took(db_url: str) -> None:
     rng = random.Random(7)
     for _ in range(20):
         async with worker(db_url, concurrency=1, grace_s=0.2) as w:
-            await eventually(lambda: _waiting(db_url, w))
+            await eventually(lambda: waiting_for_work(db_url, w))
             await asyncio.sleep(0.05)
             run_id = await submit(db_url, "hold", release=RELEASE)
             await asyncio.sleep(rng.uniform(0, 0.002))

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from queues import admission, lanes, runs, transport
-from tests.workers import connect, eventually, fetch, run_state, submit
+from tests.workers import connect, eventually, fetch, run_state, submit, waiting_for_work
 from worker.context import RunContext
 from worker.plays import Registry
 from worker.runtime import Settings, Worker
@@ -69,11 +69,6 @@ async def worker(url: str, name: str, *, concurrency: int = 10) -> AsyncIterator
         await asyncio.wait_for(serving, 40)
 
 
-async def waiting(url: str, w: Worker) -> bool:
-    rows = await fetch(url, "SELECT waiting_since FROM wq_workers WHERE id = %s", (w.s.worker_id,))
-    return rows[0][0] is not None
-
-
 async def done(url: str, run_id: uuid.UUID) -> str:
     await eventually(lambda: _succeeded(url, run_id), timeout=PICKUP_S)
     rows = await fetch(url, "SELECT worker_id FROM wq_attempts WHERE run_id = %s", (run_id,))
@@ -113,7 +108,7 @@ async def test_idle_workers_take_turns_and_each_run_costs_one_wake(db_url: str) 
 
 
 async def _all_waiting(url: str, ws: list[Worker]) -> bool:
-    return all([await waiting(url, w) for w in ws])
+    return all([await waiting_for_work(url, w) for w in ws])
 
 
 async def test_a_woken_worker_with_no_room_passes_the_wake_on(db_url: str) -> None:
@@ -123,7 +118,7 @@ async def test_a_woken_worker_with_no_room_passes_the_wake_on(db_url: str) -> No
         held = await submit(db_url, "hold", release=RELEASE)
         await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
         async with worker(db_url, "idle") as idle:
-            await eventually(lambda: waiting(db_url, idle), timeout=PICKUP_S)
+            await eventually(lambda: waiting_for_work(db_url, idle), timeout=PICKUP_S)
             # A spawn that read the set before `full`'s claim (which filled its only slot)
             # committed: it sees `full` waiting, and `idle` not (say it was claiming).
             run_id = await admit_seeing(
@@ -152,7 +147,7 @@ async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
     held = await submit(db_url, "hold", release=RELEASE)
     await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
     async with worker(db_url, "stays") as stays:
-        await eventually(lambda: waiting(db_url, stays), timeout=PICKUP_S)
+        await eventually(lambda: waiting_for_work(db_url, stays), timeout=PICKUP_S)
         both = await fetch(
             db_url, "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY id"
         )
@@ -167,7 +162,7 @@ async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
 
 
 async def _left(url: str, w: Worker) -> bool:
-    return not await waiting(url, w)
+    return not await waiting_for_work(url, w)
 
 
 async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
@@ -190,7 +185,7 @@ async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
         serving = asyncio.create_task(w.run())
         await w.ready.wait()
         try:
-            await eventually(lambda: waiting(db_url, w), timeout=PICKUP_S)
+            await eventually(lambda: waiting_for_work(db_url, w), timeout=PICKUP_S)
             # Its turn: the spawn sees the frozen worker waiting and the other one not (its
             # poll may be claiming right then).
             run_id = await admit_seeing(db_url, waiting=[frozen], not_waiting=[w.s.worker_id])
