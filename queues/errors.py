@@ -24,8 +24,10 @@ database error onto this tree at one boundary.
     ├── DatabaseError                   the database refused a statement for another reason
     ├── SchemaError
     │   ├── SchemaContractMismatch      the database is not at the code's schema
-    │   │   └── ProcrastinateTooOld     the installed procrastinate predates the database's
-    │   └── MigrationFailed             a migration file failed to apply
+    │   │   ├── ProcrastinateTooOld     the installed procrastinate predates the database's
+    │   │   └── SchemaWindowClosed      a contract step raised the floor above this release
+    │   ├── MigrationFailed             a migration file failed to apply (or is malformed)
+    │   └── ContractBlockedByLanes      a contract step waits for older releases' lanes
     ├── LaneError
     │   ├── LaneNotPrepared             admission to a lane no worker prepared
     │   ├── LaneDraining                admission to a lane being drained
@@ -182,8 +184,23 @@ class ProcrastinateTooOld(SchemaContractMismatch):
     code = "PROCRASTINATE_TOO_OLD"
 
 
+class SchemaWindowClosed(SchemaContractMismatch):
+    """The database is at a newer release's schema, and a contract migration of that
+    release raised its compatibility floor above this code's schema: this release can no
+    longer run here (a newer one must)."""
+
+    code = "SCHEMA_WINDOW_CLOSED"
+
+
 class MigrationFailed(SchemaError):
     code = "MIGRATION_FAILED"
+
+
+class ContractBlockedByLanes(SchemaError):
+    """A contract migration waits: lanes of older releases still have unfinished runs or
+    live workers, which may need what it removes."""
+
+    code = "CONTRACT_BLOCKED_BY_LANES"
 
 
 # ---- lanes -----------------------------------------------------------------------------
@@ -389,6 +406,7 @@ SQLSTATE_ERRORS: dict[str, type[WorkerError]] = {
     "WQ003": IdempotencyConflict,  # wq_submit_same_request: a key reused for another request
     "WQ007": LaneDraining,  # wq_submit: the lane is draining
     "WQ008": InvalidField,  # wq_submit_with_options: a run option this database lacks
+    "WQ009": SchemaWindowClosed,  # a worker or lane of a release below the schema floor
 }
 
 
@@ -418,8 +436,12 @@ def translate(exc: psycopg.Error) -> WorkerError | None:
         # Admission-only callers skip the contract check: a schema that is missing or
         # behind shows up here, as an unknown table, column or function.
         return SchemaContractMismatch(
-            f"the database schema is missing or behind this code: {diag.message_primary}",
-            fix="run `worker migrate` (the release step) with this code's release",
+            "the database lacks what this code uses: either its schema is missing or "
+            "behind this code, or a newer release's contract migration removed it "
+            f"({diag.message_primary})",
+            fix="`worker migrate --check` with this release tells which: run `worker "
+            "migrate` if the database is behind; if it is at a newer release's schema, "
+            "this release is outside its window: admit and run with a newer release",
         )
     cls = SQLSTATE_ERRORS.get(diag.sqlstate or "")
     if cls is None:

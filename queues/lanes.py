@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues import fields
+from queues import fields, migrations
 from queues.errors import (
     InvalidField,
     LaneBusy,
@@ -33,6 +33,7 @@ from queues.errors import (
     LaneError,
     LaneNotPrepared,
     LaneReclaimed,
+    translate,
 )
 from queues.queries import q
 
@@ -152,15 +153,33 @@ def release_of(lane: str) -> str:
     return validate_release(lane[len(LANE_PREFIX) :], field="lane")
 
 
-async def prepare(conn: psycopg.AsyncConnection[Any], release: str) -> Lane:
+async def prepare(conn: psycopg.AsyncConnection[Any], release: str, *, own: bool = True) -> Lane:
     """Create the lane of ``release`` if it has none; idempotent (registry rows only).
 
     An existing lane keeps its state: a draining or reclaimed lane stays closed to
     admissions (a restarting worker still serves it). Only :func:`reopen` opens it.
+
+    The lane records this code's schema (the schema window): ``own`` says this code is the
+    release's own (its worker, its app's admission), whose newer schema it raises;
+    otherwise (an adopted lane, an adoption's target) an existing lane keeps its schema.
+    Below the database's floor, preparing is refused (``SchemaWindowClosed``, raised by the
+    database).
     """
     name = lane_name(release)
+    params = {
+        "name": name,
+        "release": release,
+        "schema_version": migrations.code_schema().version,
+        "bump": own,
+    }
     async with conn.cursor(row_factory=class_row(Lane)) as cur:
-        await cur.execute(q("lane_prepare"), {"name": name, "release": release})
+        try:
+            await cur.execute(q("lane_prepare"), params)
+        except psycopg.Error as exc:
+            mapped = translate(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
         lane = await cur.fetchone()
         if lane is None:  # already prepared: the upsert's WHERE left it untouched
             await cur.execute(q("lane_get"), {"name": name})

@@ -415,7 +415,7 @@ async def adopt(conn: psycopg.AsyncConnection[Any], *, from_release: str, to_rel
     target = await lanes.get(conn, to_lane)
     if target is None:
         async with conn.transaction():
-            target = await lanes.prepare(conn, to_release)
+            target = await lanes.prepare(conn, to_release, own=False)
     _check_target(target.state, to_release)
     async with conn.transaction():
         cur = await conn.execute(q("recovery_adopt_lock"), {"from_lane": from_lane})

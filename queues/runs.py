@@ -23,9 +23,9 @@ import psycopg
 from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
-from queues import fields, transport
+from queues import fields, migrations, transport
 from queues.authority import Descriptor
-from queues.errors import RunNotFound
+from queues.errors import RunNotFound, translate
 from queues.fence import Fence, refused
 from queues.lanes import RetryPolicy
 from queues.outcomes import Finish, FinishStatus, RunState
@@ -454,17 +454,24 @@ async def register_worker(
     """Register the worker here and with the transport; returns the transport's worker id."""
     async with conn.transaction():
         procrastinate_id = await transport.register_worker(conn)
-        await conn.execute(
-            q("worker_register"),
-            {
-                "id": worker_id,
-                "lanes": list(lanes),
-                "release": release,
-                "host": host,
-                "pid": pid,
-                "procrastinate_id": procrastinate_id,
-            },
-        )
+        try:
+            await conn.execute(
+                q("worker_register"),
+                {
+                    "id": worker_id,
+                    "lanes": list(lanes),
+                    "release": release,
+                    "host": host,
+                    "pid": pid,
+                    "procrastinate_id": procrastinate_id,
+                    "schema_version": migrations.code_schema().version,
+                },
+            )
+        except psycopg.Error as exc:  # below the schema floor (migration 0034)
+            mapped = translate(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
     return procrastinate_id
 
 

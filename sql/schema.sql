@@ -857,6 +857,38 @@ END;
 $$;
 
 --
+-- Name: wq_refuse_below_floor(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_refuse_below_floor() RETURNS trigger
+    LANGUAGE plpgsql
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    floor_now integer;
+    raised_by text;
+    raised_in text;
+BEGIN
+    SELECT c.floor, c.floor_migration, c.floor_release
+      INTO floor_now, raised_by, raised_in
+      FROM wq_schema_contract c;
+    IF floor_now IS NOT NULL AND coalesce(NEW.schema_version, 0) < floor_now THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'WQ009',
+            MESSAGE = format(
+                '%s of release %s (schema %s) is below the database''s compatibility floor %s, '
+                'raised by contract migration %s (applied by release %s)',
+                CASE TG_TABLE_NAME WHEN 'wq_workers' THEN 'a worker' ELSE 'the lane' END,
+                NEW.release, coalesce(NEW.schema_version::text, 'unknown'), floor_now,
+                coalesce(raised_by, '?'), coalesce(raised_in, '?')),
+            DETAIL = '{"field": "schema floor", "rule": "a release runs against a database whose floor is at or below its schema"}',
+            HINT = 'admit and run with a release at or above the floor; move this release''s unfinished runs there with `worker queues adopt`';
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+--
 -- Name: wq_submit(uuid, text, text, jsonb, text, text, text, integer, jsonb, jsonb[], bigint, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1963,6 +1995,7 @@ CREATE TABLE public.wq_lanes (
     max_interruptions integer DEFAULT 20 NOT NULL,
     run_timeout_s double precision DEFAULT 0 NOT NULL,
     org_concurrency integer DEFAULT 0 NOT NULL,
+    schema_version integer,
     CONSTRAINT wq_lanes_concurrency_check CHECK ((concurrency > 0)),
     CONSTRAINT wq_lanes_heartbeat_below_ttl CHECK ((heartbeat_s < lease_ttl_s)),
     CONSTRAINT wq_lanes_heartbeat_s_check CHECK ((heartbeat_s > (0)::double precision)),
@@ -2040,7 +2073,9 @@ CREATE TABLE public.wq_metric_tallies (
 CREATE TABLE public.wq_migrations (
     name text NOT NULL,
     checksum text NOT NULL,
-    applied_at timestamp with time zone DEFAULT now() NOT NULL
+    applied_at timestamp with time zone DEFAULT now() NOT NULL,
+    kind text,
+    release text
 );
 
 --
@@ -2270,6 +2305,10 @@ CREATE TABLE public.wq_schema_contract (
     version integer NOT NULL,
     checksum text NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    floor integer DEFAULT 0 NOT NULL,
+    floor_migration text,
+    floor_release text,
+    release text,
     CONSTRAINT wq_schema_contract_id_check CHECK (id)
 );
 
@@ -2332,7 +2371,8 @@ CREATE TABLE public.wq_workers (
     heartbeat_at timestamp with time zone DEFAULT now() NOT NULL,
     stopped_at timestamp with time zone,
     liveness_key bigint,
-    waiting_since timestamp with time zone
+    waiting_since timestamp with time zone,
+    schema_version integer
 );
 
 --
@@ -2858,6 +2898,12 @@ CREATE TRIGGER wq_events_gone AFTER DELETE ON public.wq_events REFERENCING OLD T
 CREATE TRIGGER wq_events_sequence BEFORE INSERT ON public.wq_events FOR EACH ROW EXECUTE FUNCTION public.wq_events_sequence();
 
 --
+-- Name: wq_lanes wq_lanes_above_floor; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_lanes_above_floor BEFORE INSERT OR UPDATE OF schema_version ON public.wq_lanes FOR EACH ROW EXECUTE FUNCTION public.wq_refuse_below_floor();
+
+--
 -- Name: wq_lanes wq_lanes_kept; Type: TRIGGER; Schema: public; Owner: -
 --
 
@@ -2886,6 +2932,12 @@ CREATE TRIGGER wq_tally_deleted_refusals AFTER DELETE ON public.wq_refusals REFE
 --
 
 CREATE TRIGGER wq_tally_deleted_runs AFTER DELETE ON public.wq_runs REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_tally_deleted_runs();
+
+--
+-- Name: wq_workers wq_workers_above_floor; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_workers_above_floor BEFORE INSERT OR UPDATE OF schema_version ON public.wq_workers FOR EACH ROW EXECUTE FUNCTION public.wq_refuse_below_floor();
 
 --
 -- Name: procrastinate_events procrastinate_events_job_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -

@@ -307,7 +307,7 @@ class Worker:
             # Preparing never reopens a closed lane: the worker serves it all the same.
             for release in (self.s.release, *self.s.adopt):
                 async with conn.transaction():
-                    await lanes.prepare(conn, release)
+                    await lanes.prepare(conn, release, own=release == self.s.release)
                 lane = await lanes.get(conn, lanes.lane_name(release))
                 if lane is not None and lane.state != lanes.LaneState.PREPARED:
                     log.warning(

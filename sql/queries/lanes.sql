@@ -1,10 +1,13 @@
 -- name: lane_prepare :one
 -- Create a lane's registry row if it has none; idempotent, registry rows only (no DDL).
 -- Never changes the state of an existing lane: a draining or reclaimed lane stays closed
--- to admissions until an operator reopens it (lane_reopen).
-INSERT INTO wq_lanes AS l (name, release, state)
-VALUES (%(name)s, %(release)s, 'prepared')
-ON CONFLICT (name) DO NOTHING
+-- to admissions until an operator reopens it (lane_reopen). The lane records the schema
+-- of the code that prepared it (the schema window, migration 0034); with bump, its own
+-- release's newer code raises it (a release name reused across schemas, such as dev).
+INSERT INTO wq_lanes AS l (name, release, state, schema_version)
+VALUES (%(name)s, %(release)s, 'prepared', %(schema_version)s)
+ON CONFLICT (name) DO UPDATE SET schema_version = excluded.schema_version, updated_at = now()
+ WHERE %(bump)s AND coalesce(l.schema_version, 0) < excluded.schema_version
 RETURNING name, release, state::text, concurrency, lease_ttl_s, heartbeat_s,
           retry_max_attempts, retry_base_s, retry_cap_s, retry_jitter, max_interruptions,
           retention_s, prepared_at, updated_at, run_timeout_s, org_concurrency;
@@ -86,3 +89,29 @@ SELECT count(*) FROM wq_runs WHERE lane = %(name)s AND state IN ('queued', 'runn
 -- name: lane_set_state :exec
 -- Move a lane to another state (drain, reclaim).
 UPDATE wq_lanes SET state = %(state)s::wq_lane_state, updated_at = now() WHERE name = %(name)s;
+
+-- name: lane_contract_blockers :many
+-- The lanes a contract step that raises the floor to %(below)s waits for: a lane prepared
+-- by an older release that still holds unfinished runs (unless reclaimed: an operator
+-- retired it), or any lane that live workers of an older release serve (a fresh heartbeat,
+-- as lane_list counts them, and not stopped). Read through to_jsonb, so a database from
+-- before migration 0034 (no schema_version yet) counts every lane and worker as older.
+-- Bounded by the lane count and wq_workers' size.
+SELECT name AS lane, release, schema_version, unfinished, live_workers
+  FROM (SELECT l.name, l.release,
+               (to_jsonb(l) ->> 'schema_version')::integer AS schema_version,
+               CASE WHEN l.state <> 'reclaimed'
+                     AND coalesce((to_jsonb(l) ->> 'schema_version')::integer, 0) < %(below)s
+                    THEN (SELECT count(*) FROM wq_runs r
+                           WHERE r.lane = l.name
+                             AND r.state IN ('queued', 'running', 'sleeping'))
+                    ELSE 0 END AS unfinished,
+               (SELECT count(*) FROM wq_workers w
+                 WHERE l.name = ANY (w.lanes) AND w.stopped_at IS NULL
+                   AND w.heartbeat_at > now() - make_interval(
+                           secs => least(l.lease_ttl_s, 3 * l.heartbeat_s))
+                   AND coalesce((to_jsonb(w) ->> 'schema_version')::integer, 0) < %(below)s
+               ) AS live_workers
+          FROM wq_lanes l) b
+ WHERE unfinished > 0 OR live_workers > 0
+ ORDER BY name;

@@ -436,11 +436,14 @@ SELECT run_id, attempt, worker_id, outcome::text, error, started_at, finished_at
  ORDER BY attempt;
 
 -- name: worker_register :exec
--- Register (or re-register) a worker process.
-INSERT INTO wq_workers (id, lanes, release, host, pid, procrastinate_id)
-VALUES (%(id)s, %(lanes)s, %(release)s, %(host)s, %(pid)s, %(procrastinate_id)s)
+-- Register (or re-register) a worker process, with its code's schema (migration 0034:
+-- refused below the schema floor).
+INSERT INTO wq_workers (id, lanes, release, host, pid, procrastinate_id, schema_version)
+VALUES (%(id)s, %(lanes)s, %(release)s, %(host)s, %(pid)s, %(procrastinate_id)s,
+        %(schema_version)s)
 ON CONFLICT (id) DO UPDATE
-   SET lanes = excluded.lanes, heartbeat_at = now(), stopped_at = NULL, waiting_since = NULL;
+   SET lanes = excluded.lanes, heartbeat_at = now(), stopped_at = NULL, waiting_since = NULL,
+       schema_version = excluded.schema_version;
 
 -- name: worker_heartbeat :exec
 -- Mark a worker alive (also its registration with the transport).

@@ -37,7 +37,10 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
 FIXTURE = ROOT / "tests" / "fixtures" / "procrastinate-3.0.2-schema.sql"
 OLD_VERSION = "03.00.00_50_post_cancel_notification"
-FUTURE_VERSION = "99.00.00_01_pre_from_a_newer_procrastinate"
+# A newer procrastinate's contract step (post): outside the window of this code.
+FUTURE_VERSION = "99.00.00_50_post_from_a_newer_procrastinate"
+# A newer procrastinate's pre step: additive by procrastinate's rule, inside the window.
+FUTURE_PRE = "99.00.00_01_pre_from_a_newer_procrastinate"
 INSTALLED = migrations.installed_procrastinate()
 
 
@@ -79,7 +82,7 @@ def cli(
 
 
 def listed(stdout: str) -> list[str]:
-    return [line.strip() for line in stdout.splitlines() if line.startswith("  ")]
+    return [line.split(" [")[0].strip() for line in stdout.splitlines() if line.startswith("  ")]
 
 
 async def procrastinate_rows(url: str) -> list[tuple[str, str]]:
@@ -270,6 +273,33 @@ async def test_newer_procrastinate_schema_is_refused_everywhere(db_url: str) -> 
         assert "Traceback" not in res.stderr, detail
         # Waiting cannot help a database that is ahead: refused at once, not after 60 s.
         assert time.monotonic() - started < 30, detail
+
+
+async def test_a_newer_procrastinate_pre_step_is_inside_the_window(db_url: str) -> None:
+    # A newer release upgraded procrastinate and applied only its pre step: this code, on
+    # the older procrastinate, still runs here, and its migrate has nothing to apply.
+    async with await connect(db_url) as conn:
+        await conn.execute(
+            "INSERT INTO wq_procrastinate_migrations (name, applied_as, package)"
+            " VALUES (%(n)s, 'migration', '99.0.0')",
+            {"n": FUTURE_PRE},
+        )
+        await conn.execute("UPDATE wq_schema_contract SET checksum = 'a-newer-release'")
+        await migrations.verify_contract(conn)
+        assert await migrations.pending(conn) == []
+        report = await migrations.migrate(conn)
+        assert report.applied == []
+    # The newer release's record stays as it wrote it.
+    assert await fetch(db_url, "SELECT checksum FROM wq_schema_contract") == [("a-newer-release",)]
+    # Its post step leaves this code behind (the refusal itself: the test below).
+    async with await connect(db_url) as conn:
+        await conn.execute(
+            "INSERT INTO wq_procrastinate_migrations (name, applied_as, package)"
+            " VALUES (%(n)s, 'migration', '99.0.0')",
+            {"n": FUTURE_VERSION},
+        )
+        with pytest.raises(ProcrastinateTooOld):
+            await migrations.verify_contract(conn)
 
 
 async def test_database_of_an_earlier_release_is_recorded_at_its_version(db_url: str) -> None:

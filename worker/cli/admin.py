@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 from typing import Any
@@ -16,6 +17,7 @@ from worker.cli.common import (
     Conn,
     Duration,
     State,
+    actor,
     connected,
     emit_json,
     json_option,
@@ -28,7 +30,27 @@ HOLD_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 @click.command()
-@click.option("--check", is_flag=True, help="Only report pending migrations; exit 1 if any.")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Only report the pending steps, their kind (expand or contract) and what blocks "
+    "each contract step; exit 1 if anything is pending.",
+)
+@click.option(
+    "--contract",
+    "want_contract",
+    is_flag=True,
+    help="Apply the pending contract steps too, or fail (CONTRACT_BLOCKED_BY_LANES) while "
+    "lanes of older releases still need what they remove. Without it, a blocked contract "
+    "step is deferred with a warning and the command exits 0.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="With --contract: apply contract steps over their blockers (needs --reason; "
+    "recorded in the audit trail). The older lanes' runs may then fail.",
+)
+@click.option("--reason", default=None, help="Why a forced contract step is safe (audited).")
 @click.option(
     "--hold",
     is_flag=True,
@@ -37,13 +59,49 @@ HOLD_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 )
 @json_option
 @pass_state
-def migrate(state: State, check: bool, hold: bool, as_json: bool) -> None:
-    """Bring procrastinate's schema and ours forward (the only command that runs DDL)."""
+def migrate(
+    state: State,
+    check: bool,
+    want_contract: bool,
+    force: bool,
+    reason: str | None,
+    hold: bool,
+    as_json: bool,
+) -> None:
+    """Bring procrastinate's schema and ours forward (the only command that runs DDL).
+
+    Expand steps are applied at once. A contract step waits while lanes of older releases
+    have unfinished runs or live workers: it is deferred (exit 0, with a warning naming
+    them) and the next `worker migrate` applies it once they are gone. Run by a release
+    older than the database, it applies nothing while the database still serves that
+    release, and refuses (SCHEMA_WINDOW_CLOSED) once a contract step left it behind.
+    """
     if check and hold:
         raise InvalidField(
             "--check and --hold given together",
             field="--hold",
             rule="--hold follows a migration, --check applies none",
+            fix="drop one of them",
+        )
+    if force and not want_contract:
+        raise InvalidField(
+            "--force without --contract",
+            field="--force",
+            rule="--force overrides the blockers of contract steps, which --contract asks for",
+            fix="pass --contract --force --reason TEXT",
+        )
+    if force and not (reason and reason.strip()):
+        raise InvalidField(
+            "--force without --reason",
+            field="--reason",
+            rule="a forced contract step is audited with who and why",
+            fix="say why the older lanes may lose what the step removes: --reason TEXT",
+        )
+    if check and want_contract:
+        raise InvalidField(
+            "--check and --contract given together",
+            field="--contract",
+            rule="--check applies nothing; it already reports the contract steps",
             fix="drop one of them",
         )
     if hold:
@@ -54,38 +112,44 @@ def migrate(state: State, check: bool, hold: bool, as_json: bool) -> None:
     async def go(conn: Conn) -> int:
         procrastinate = migrations.installed_procrastinate()
         contract = migrations.code_contract()
+        schema = migrations.code_schema()
         data: dict[str, Any] = {
+            "release": migrations.code_release(),
+            "schema_version": schema.version,
             "contract_version": contract.version,
             "contract_checksum": contract.checksum,
             "procrastinate_package": procrastinate.package,
         }
         if check:
-            todo = await migrations.pending(conn)
-            data |= {"pending": list(todo), "current": not todo}
-            data["procrastinate_schema"] = procrastinate.version
-            if as_json:
-                emit_json(data)
-            elif todo:
-                click.echo(f"pending migrations ({len(todo)}):")
-                for name in todo:
-                    click.echo(f"  {name}")
-            else:
-                click.echo(
-                    f"schema is current: version {contract.version} (checksum "
-                    f"{contract.checksum}); procrastinate schema {procrastinate.version} "
-                    f"(procrastinate {procrastinate.package})"
-                )
-            return 1 if todo else 0
-        report = await migrations.migrate(conn)
+            return _check(await migrations.plan(conn), data, as_json)
+        report = await migrations.migrate(
+            conn, contract=want_contract, force=force, actor=actor(), reason=reason
+        )
         state.enable_embedded_logins()
         data |= {
             "applied": list(report.applied),
-            "contract_version": report.contract.version,
-            "contract_checksum": report.contract.checksum,
+            "deferred": list(report.deferred),
+            "blocked_by": [dataclasses.asdict(b) for b in report.blocked_by],
+            "forced": report.forced,
+            "newer": list(report.newer),
+            "newer_release": report.newer_release,
+            "database_contract_version": report.contract.version,
+            "database_contract_checksum": report.contract.checksum,
             "procrastinate_schema": report.procrastinate_version,
         }
+        if report.deferred:
+            blocked = migrations.blocked_error(report.deferred[0], report.blocked_by, [])
+            click.echo(f"warning[{blocked.code}]: {blocked.render()}", err=True)
         if as_json:
             emit_json(data)
+            return 0
+        if report.newer:
+            click.echo(
+                f"nothing to apply: the database is at a newer release's schema (version "
+                f"{report.contract.version}, release {report.newer_release or '?'}; "
+                f"{len(report.newer)} migration(s) newer than this code), which still serves "
+                f"this release ({migrations.code_release()}, schema {schema.version})"
+            )
             return 0
         click.echo(
             f"applied {len(report.applied)} migration(s); schema contract version "
@@ -94,6 +158,12 @@ def migrate(state: State, check: bool, hold: bool, as_json: bool) -> None:
         )
         for name in report.applied:
             click.echo(f"  {name}")
+        if report.deferred:
+            click.echo(f"deferred ({len(report.deferred)}), waiting for older lanes:")
+            for name in report.deferred:
+                click.echo(f"  {name}")
+        if report.forced:
+            click.echo("contract step(s) forced over their blockers (audited)")
         return 0
 
     if not hold:
@@ -110,6 +180,54 @@ def migrate(state: State, check: bool, hold: bool, as_json: bool) -> None:
     received = signal.sigwait(HOLD_SIGNALS)
     click.echo(f"migration gate stopped ({signal.Signals(received).name})", err=as_json)
     sys.exit(0)
+
+
+def _check(plan: migrations.Plan, data: dict[str, Any], as_json: bool) -> int:
+    """`worker migrate --check`: the pending steps, their kinds and blockers; 1 if any."""
+    todo = plan.steps
+    data |= {
+        "pending": [
+            {
+                "name": step.name,
+                "kind": step.kind,
+                "blocked_by": [b.lane for b in step.blocked_by],
+                "blockers": [dataclasses.asdict(b) for b in step.blocked_by],
+            }
+            for step in todo
+        ],
+        "current": not todo,
+        "newer": list(plan.newer),
+        "newer_release": plan.recorded.release if plan.recorded else None,
+        "floor": plan.recorded.floor if plan.recorded else 0,
+    }
+    data["procrastinate_schema"] = migrations.installed_procrastinate().version
+    if as_json:
+        emit_json(data)
+    elif todo:
+        click.echo(f"pending migrations ({len(todo)}):")
+        waits = False
+        for step in todo:
+            if step.blocked_by:
+                waits = True
+                lanes_text = "; ".join(b.describe() for b in step.blocked_by)
+                click.echo(f"  {step.name} [{step.kind}] blocked by {lanes_text}")
+            elif waits and step.kind == migrations.CONTRACT:
+                click.echo(f"  {step.name} [{step.kind}] waits with the step before it")
+            else:
+                click.echo(f"  {step.name} [{step.kind}]")
+    elif plan.newer:
+        click.echo(
+            f"nothing to apply: the database is at a newer release's schema (release "
+            f"{data['newer_release'] or '?'}; {len(plan.newer)} migration(s) newer than this "
+            f"code), which still serves this release (schema {data['schema_version']})"
+        )
+    else:
+        click.echo(
+            f"schema is current: version {data['contract_version']} (checksum "
+            f"{data['contract_checksum']}); procrastinate schema {data['procrastinate_schema']} "
+            f"(procrastinate {data['procrastinate_package']})"
+        )
+    return 1 if todo else 0
 
 
 @click.group("db")
@@ -257,4 +375,3 @@ def demo(state: State, rows: int) -> None:
             )
         )
     )
-

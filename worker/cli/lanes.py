@@ -78,7 +78,7 @@ def queues_prepare(state: State, release: str, as_json: bool) -> None:
 
     async def go(conn: Conn) -> int:
         await migrations.verify_contract(conn)
-        lane = await lanes.prepare(conn, checked)
+        lane = await lanes.prepare(conn, checked, own=False)
         _show_lane(lane, as_json)
         if lane.state != lanes.LaneState.PREPARED:
             click.echo(
