@@ -26,10 +26,10 @@ the ratio ours / baseline:
   Absurd ``ctx.step``), timed inside the run.
 
 **The design's floor** (``floor``, :mod:`bench.floor`) does in every scenario but the steps
-exactly the writes DESIGN.md requires of a run, one plain statement each on minimal tables:
-ours is compared with it like with any baseline, and it is compared with the others (not
-with ours), printed below the table. A target the floor misses cannot be met while the
-design holds.
+exactly the writes docs/design.md (sections 6 and 7) requires of a run, one plain
+statement each on minimal tables: ours is compared with it like with any baseline, and it
+is compared with the others (not with ours), printed below the table. A target the floor
+misses cannot be met while the design holds.
 
 Graphile Worker runs in Node (``bench/graphile``, installed there with npm on first use);
 without Node or npm its rows say so. Absurd's SDK and schema tool come from the ``bench``

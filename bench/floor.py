@@ -1,10 +1,11 @@
 """The design's floor: what a run's required writes cost at their plainest.
 
-DESIGN.md fixes what a run writes: admission is one statement that checks its lane under a
-share lock, inserts the launch row, spawns the run's procrastinate job and appends the
-``run_created`` event (section 6); a claim starts an attempt (the job taken, the run
-leased, the attempt and its ``attempt_started`` event); the final write is fenced by the
-attempt and appends the run's terminal event (section 7). This system does exactly those
+The design (docs/design.md) fixes what a run writes: admission is one statement that
+checks its lane under a share lock, inserts the launch row, spawns the run's procrastinate
+job and appends the ``run_created`` event (section 6, "Admission: the atomic submit"); a
+claim starts an attempt (the job taken, the run leased, the attempt and its
+``attempt_started`` event); the final write is fenced by the attempt and appends the run's
+terminal event (section 7, "Execution: attempts, leases and fences"). This system does exactly those
 writes and nothing else: one plain SQL statement each, no function, no trigger of its own,
 minimal tables (a primary key and the idempotency key's index; no authority, options,
 progress, outbox, fairness or rate limits), and the project's transport table (procrastinate's
@@ -60,7 +61,7 @@ CREATE TABLE f_events (
     at timestamptz NOT NULL DEFAULT now());
 """
 
-# Admission (DESIGN section 6) for the runs of the arrays: nothing when the lane is not
+# Admission (docs/design.md, section 6) for the runs of the arrays: nothing when the lane is not
 # prepared; an idempotency key admits one run.
 SUBMIT = """
 WITH lane AS (
@@ -84,7 +85,7 @@ WITH lane AS (
 SELECT (SELECT count(*) FROM job), pg_notify(%(channel)s, '')
 """
 
-# A claim (DESIGN section 7): the due jobs taken in order, SKIP LOCKED; each run leased at
+# A claim (docs/design.md, section 7): the due jobs taken in order, SKIP LOCKED; each run leased at
 # a new attempt, the attempt and its event written. Its commit need not wait for the WAL
 # flush (as the project's claim: queues.runs.claim says why).
 CLAIM = """

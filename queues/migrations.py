@@ -921,14 +921,22 @@ async def _hold_contract(
 ) -> None:
     """In a contract step's transaction: keep workers from registering until it commits
     (a worker of an older release that registers after it is refused by the floor, in
-    the database), look for blockers again, and refuse or audit them."""
+    the database), look for blockers again, refuse or audit them, and retire the lanes
+    below the new floor: no worker of theirs may start any more, so an admission to one
+    (an old serverless deployment still admitting) is refused (``LANE_RECLAIMED``)
+    instead of admitting a run nobody can execute."""
     if await _exists(conn, "wq_workers"):
         await conn.execute("LOCK TABLE wq_workers IN SHARE MODE")
     blockers = await contract_blockers(conn, below=step.floor)
+    if blockers and not force:
+        raise blocked_error(step.name, blockers, [])
+    if await _exists(conn, "wq_lanes"):
+        await conn.execute(
+            q("lane_retire_below_floor"),
+            {"below": step.floor, "actor": actor, "migration": step.name},
+        )
     if not blockers:
         return
-    if not force:
-        raise blocked_error(step.name, blockers, [])
     await conn.execute(
         _AUDIT_FORCE,
         {
@@ -1068,11 +1076,14 @@ async def verify_contract(conn: psycopg.AsyncConnection[Any], *, schema: str = "
     missing = [
         m.name for m in code_migrations() if m.number <= requires and m.name not in state.ours
     ]
-    if (
-        missing
-        or database_procrastinate is None
-        or procrastinate_key(database_procrastinate) < chain.key
-    ):
+    # The installed procrastinate's steps the database lacks: its post (contract) steps
+    # may wait, as ours do; a missing pre step means the database is behind.
+    lacking = (
+        [m.name for m in chain.migrations if m.key > procrastinate_key(database_procrastinate)]
+        if database_procrastinate is not None
+        else []
+    )
+    if missing or database_procrastinate is None or any(is_pre(n) for n in lacking):
         raise mismatch_error(
             expected,
             recorded.contract,

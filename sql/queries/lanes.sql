@@ -115,3 +115,20 @@ SELECT name AS lane, release, schema_version, unfinished, live_workers
           FROM wq_lanes l) b
  WHERE unfinished > 0 OR live_workers > 0
  ORDER BY name;
+
+-- name: lane_retire_below_floor :exec
+-- In a contract step's transaction: reclaim every open lane prepared below the new floor
+-- (its workers may no longer start, so it must admit nothing), each audited as a reclaim.
+-- Read through to_jsonb like lane_contract_blockers. Bounded by the lane count.
+WITH retired AS (
+    UPDATE wq_lanes l
+       SET state = 'reclaimed', updated_at = now()
+     WHERE l.state <> 'reclaimed'
+       AND coalesce((to_jsonb(l) ->> 'schema_version')::integer, 0) < %(below)s
+    RETURNING l.name
+)
+INSERT INTO wq_operator_actions (actor, action, lane, data)
+SELECT %(actor)s, 'reclaim', retired.name,
+       jsonb_build_object('reason', 'below the schema floor', 'migration', %(migration)s::text,
+                          'floor', %(below)s::integer)
+  FROM retired;

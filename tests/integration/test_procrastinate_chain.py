@@ -302,6 +302,29 @@ async def test_a_newer_procrastinate_pre_step_is_inside_the_window(db_url: str) 
             await migrations.verify_contract(conn)
 
 
+async def test_a_database_lacking_only_procrastinates_trailing_post_step_runs_this_code(
+    db_url: str,
+) -> None:
+    # A release phase deferred the installed procrastinate's post step (a contract step):
+    # this code runs without it, as procrastinate's own pre/post split intends; a missing
+    # pre step is a database behind.
+    names = [m.name for m in INSTALLED.migrations]
+    post, pre = names[-1], names[-2]
+    assert "_post_" in post and "_pre_" in pre
+    async with await connect(db_url) as conn:
+        await conn.execute("DELETE FROM wq_procrastinate_migrations")
+        await conn.execute(
+            "INSERT INTO wq_procrastinate_migrations (name, applied_as) VALUES (%s, 'recorded')",
+            (pre,),
+        )
+        await conn.execute("UPDATE wq_schema_contract SET checksum = 'with-the-post-deferred'")
+        await migrations.verify_contract(conn)
+        assert await migrations.pending(conn) == [f"procrastinate/{post}"]
+        await conn.execute("UPDATE wq_procrastinate_migrations SET name = %s", (names[-3],))
+        with pytest.raises(SchemaContractMismatch, match="worker migrate"):
+            await migrations.verify_contract(conn)
+
+
 async def test_database_of_an_earlier_release_is_recorded_at_its_version(db_url: str) -> None:
     async with await connect(db_url) as conn:  # as the releases before this one left it
         await conn.execute("DROP TABLE wq_procrastinate_migrations")

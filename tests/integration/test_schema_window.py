@@ -211,6 +211,17 @@ async def test_a_forced_contract_step_is_applied_and_audited(db_url: str) -> Non
     assert data["migration"] == CONTRACT.name and data["floor"] == V + 1
     assert data["reason"] == "the older release's runs are adopted by hand"
     assert data["blocked_by"] and "r-older" in data["blocked_by"][0]
+    # The lane below the new floor is retired with it (audited), so an old admission-only
+    # deployment that still admits there is refused instead of stranding a run.
+    assert await fetch(db_url, "SELECT state::text FROM wq_lanes WHERE name = 'r-older'") == [
+        ("reclaimed",)
+    ]
+    ((reclaimed,),) = await fetch(
+        db_url, "SELECT data FROM wq_operator_actions WHERE action = 'reclaim'"
+    )
+    assert reclaimed["migration"] == CONTRACT.name and reclaimed["floor"] == V + 1
+    res = cli("submit", "echo", "--release", "older", url=db_url, WORKER_ADMISSION_ONLY="1")
+    assert res.returncode == 1 and "error[LANE_RECLAIMED]" in res.stderr, res.stderr
 
 
 async def test_the_cli_refuses_a_force_without_contract_or_reason(db_url: str) -> None:
