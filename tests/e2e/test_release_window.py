@@ -757,7 +757,7 @@ async def test_a_contract_waits_for_the_old_lane_then_closes_the_window(
         assert "error[CONTRACT_BLOCKED_BY_LANES]" in forced.stderr, forced.stderr
         check = new.cli("migrate", "--check", "--json")
         assert check.returncode == 1, f"{check.stdout}{check.stderr}"
-        pending = {p["name"]: p for p in json.loads(check.stdout)["pending"]}
+        pending = {p["name"]: p for p in json.loads(check.stdout)["steps"]}
         assert pending.get(probe_name, {}).get("kind") == "contract", pending
         assert OLD_LANE in pending[probe_name].get("blocked_by", []), pending
         assert query(url, "SELECT count(*) FROM wq_migrations WHERE name = %s", (probe_name,)) == [

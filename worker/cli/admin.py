@@ -186,7 +186,10 @@ def _check(plan: migrations.Plan, data: dict[str, Any], as_json: bool) -> int:
     """`worker migrate --check`: the pending steps, their kinds and blockers; 1 if any."""
     todo = plan.steps
     data |= {
-        "pending": [
+        # The names, as before the window (tools read this list); the steps with their
+        # kinds and blockers beside it.
+        "pending": [step.name for step in todo],
+        "steps": [
             {
                 "name": step.name,
                 "kind": step.kind,
