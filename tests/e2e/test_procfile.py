@@ -239,10 +239,18 @@ async def test_wait_for_schema_gives_up_at_its_deadline_and_never_waits_for_a_ne
     assert waited >= 2
 
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-        await conn.execute("UPDATE wq_schema_contract SET version = version + 1")
-    ahead, _ = start(db_url)  # a newer release migrated it: refused at once, no waiting
+        # A newer release migrated it and its contract step closed the window on this one.
+        await conn.execute(
+            "INSERT INTO wq_migrations (name, checksum, kind)"
+            " VALUES ('9999_newer', 'x', 'contract')"
+        )
+        await conn.execute(
+            "UPDATE wq_schema_contract SET version = 9999, floor = 9999,"
+            " floor_migration = '9999_newer', floor_release = '9.0.0'"
+        )
+    ahead, _ = start(db_url)  # refused at once: no migration of this release can help
     assert ahead.returncode == 1, ahead.stderr
-    assert "error[SCHEMA_CONTRACT_MISMATCH]" in ahead.stderr
+    assert "error[SCHEMA_WINDOW_CLOSED]" in ahead.stderr and "9999_newer" in ahead.stderr
     assert '"schema_waiting"' not in ahead.stderr
 
 
