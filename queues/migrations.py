@@ -725,6 +725,19 @@ def window_closed(recorded: Recorded, schema: CodeSchema | None = None) -> Schem
     )
 
 
+async def _where(
+    conn: psycopg.AsyncConnection[Any], code: list[Migration]
+) -> tuple[_State, Recorded | None, list[str]]:
+    """The database's history and record, and the migrations of a newer release it has;
+    refuses a history that disagrees with the code's, and a window closed on the code."""
+    state = await _state(conn)
+    recorded = await read_recorded(conn)
+    newer = _check_history(state.ours, code)
+    if newer and recorded is not None and recorded.floor > schema_of(code).version:
+        raise window_closed(recorded, schema_of(code))
+    return state, recorded, newer
+
+
 async def plan(
     conn: psycopg.AsyncConnection[Any],
     *,
@@ -736,12 +749,8 @@ async def plan(
     by default)."""
     chain = procrastinate or installed_procrastinate()
     code = code_migrations() if code is None else code
-    state = await _state(conn)
-    recorded = await read_recorded(conn)
-    newer = _check_history(state.ours, code)
+    state, recorded, newer = await _where(conn, code)
     if newer:
-        if recorded is not None and recorded.floor > schema_of(code).version:
-            raise window_closed(recorded, schema_of(code))
         return Plan(steps=[], newer=newer, recorded=recorded)
     steps: list[PlannedStep] = []
     blocked = False
@@ -810,13 +819,9 @@ async def migrate(
     try:
         # The refusals come before any DDL, the tracking tables included.
         await _same_session(conn, holder)
-        state = await _state(conn)
-        recorded = await read_recorded(conn)
-        newer = _check_history(state.ours, code)
+        state, recorded, newer = await _where(conn, code)
         if newer:
             # A newer release migrated this database: nothing of this code is pending.
-            if recorded is not None and recorded.floor > schema_of(code).version:
-                raise window_closed(recorded, schema_of(code))
             assert recorded is not None
             return MigrateReport(
                 applied=[],
