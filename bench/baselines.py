@@ -63,6 +63,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from bench.common import (
     BenchError,
+    add_pg_bin,
     connect,
     create_database,
     drop_database,
@@ -945,6 +946,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "ratios the median of each round's own (with their range)",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
+    add_pg_bin(p)
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: at least 1")

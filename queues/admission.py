@@ -32,7 +32,7 @@ from psycopg import pq
 from psycopg.types.json import Jsonb
 
 from queues import fields, lanes, migrations, tracing
-from queues.authority import Descriptor
+from queues.authority import EXECUTOR_CAPABILITIES, Descriptor
 from queues.errors import (
     InvalidField,
     UnknownPlay,
@@ -286,9 +286,64 @@ def _authorities(
     """Each run's authority: its descriptor (what each attempt's tokens are minted from)
     over the submitter's metadata and trace context (which its attempts continue), as
     JSON text made once per (org, play, release) of the batch."""
-    stored = dict(authority or {}) | tracing.stored_context()
+    stored = check_authority(authority) | tracing.stored_context()
     texts = Descriptor.stored_texts([(s.org, s.play, s.release) for s in subs], ids, stored)
     return [Jsonb(text, dumps=_as_is) for text in texts]
+
+
+def check_authority(authority: object) -> dict[str, Any]:
+    """The submitter's metadata stored in each run's authority: a JSON object of at most
+    :data:`~queues.fields.MAX_AUTHORITY_BYTES` (the database refuses a stored authority that
+    is not an object, or larger than its ceiling: migration 0036)."""
+    if authority is None:
+        return {}
+    if not isinstance(authority, Mapping):
+        raise InvalidField(
+            f"authority must be a JSON object, got {type(authority).__name__}",
+            field="authority",
+            rule="a JSON object",
+            fix="pass a mapping of JSON values (or none)",
+        )
+    fields.encode(
+        authority,
+        field="authority",
+        max_bytes=fields.MAX_AUTHORITY_BYTES,
+        fix="keep the authority's metadata small: ids, not data",
+    )
+    return dict(authority)
+
+
+def database_rules() -> dict[str, Any]:
+    """The numbers and patterns the database holds for its own checks of every submit,
+    whoever calls it (``wq_field_rules()``, migration 0036): made of this module's and
+    :mod:`queues.fields`'s, and equal to them (tests/integration/test_field_rules_everywhere.py
+    compares the two). JSON sizes are the database's ceilings on the jsonb it stores
+    (:func:`queues.fields.stored_ceiling`)."""
+    low, high = fields.PRIORITY_RANGE
+    return {
+        "lane_prefix": lanes.LANE_PREFIX,
+        "max_release": fields.MAX_RELEASE,
+        "release_name": f"^{fields.RELEASE_NAME.pattern}$",
+        "max_play": fields.MAX_PLAY,
+        "play_name": f"^{fields.PLAY_NAME.pattern}$",
+        "max_org": fields.MAX_ORG,
+        "max_idempotency_key": fields.MAX_IDEMPOTENCY_KEY,
+        "control": fields.sql_control_class(),
+        "priority_min": low,
+        "priority_max": high,
+        "max_json_depth": fields.MAX_JSON_DEPTH,
+        "max_json_integer_digits": fields.MAX_JSON_INTEGER_DIGITS,
+        "max_params_stored_bytes": fields.stored_ceiling(fields.MAX_PARAMS_BYTES),
+        "max_authority_stored_bytes": fields.stored_ceiling(fields.MAX_AUTHORITY_BYTES),
+        "max_meta_stored_bytes": fields.stored_ceiling(fields.MAX_META_BYTES),
+        "capabilities": list(EXECUTOR_CAPABILITIES),
+        "max_batch": MAX_BATCH,
+        "max_attempts": fields.MAX_ATTEMPTS,
+        "min_run_timeout_s": fields.MIN_RUN_TIMEOUT_S,
+        "max_run_timeout_s": fields.MAX_RUN_TIMEOUT_S,
+        "retry_kinds": list(fields.RETRY_KINDS),
+        "retry_bounds": {name: list(bounds) for name, bounds in fields.RETRY_BOUNDS.items()},
+    }
 
 
 def _as_is(text: str) -> str:

@@ -13,6 +13,13 @@ Both bind org, play, run, release, the attempt and the worker holding its lease,
 receiver can check the request's run scope and the fence (a token of an attempt that a
 rescue or a newer attempt superseded is refused by the fence, however unexpired).
 
+A sandboxed play's executor token is narrower still (least authority): it names the plays
+the attempt may spawn (``spawn``) and the rate-limit keys it may take permits of
+(``limits``), what the play declared (``@registry.play(..., may_spawn=[...],
+limits=[...])``); a receiver refuses any other with 403
+(:func:`queues.operations.authorize`). A token without these claims is not restricted by
+them (an in-process attempt's claims, a token an operator minted).
+
 Tokens are JWTs signed with HS256 (PyJWT): a standard format any receiver can verify with
 the shared secret. The secret comes from the environment (``WORKER_TOKEN_SECRET``); the
 embedded database's default derives one from its own secret (kept with mode 0600).
@@ -117,6 +124,9 @@ class Claims:
     capabilities: frozenset[str]
     expires_at: datetime
     token_id: str
+    # The plays it may spawn and the rate-limit keys it may take (None: not restricted).
+    may_spawn: frozenset[str] | None = None
+    may_limit: frozenset[str] | None = None
 
     @property
     def fence(self) -> Fence:
@@ -151,9 +161,12 @@ def mint(
     secret: str | bytes,
     ttl_s: float = DEFAULT_TTL_S,
     now: datetime | None = None,
+    may_spawn: Iterable[str] | None = None,
+    may_limit: Iterable[str] | None = None,
 ) -> str:
     """One signed, expiring token for an attempt, with ``capabilities`` (a subset of what
-    the run was granted, plus the ledger projection capability every run has)."""
+    the run was granted, plus the ledger projection capability every run has); with
+    ``may_spawn`` / ``may_limit``, restricted to those plays and rate-limit keys."""
     caps = sorted(set(capabilities))
     allowed = {*descriptor.capabilities, LEDGER_PROJECT}
     unknown = [c for c in caps if c not in allowed]
@@ -183,6 +196,10 @@ def mint(
         "exp": int((issued + timedelta(seconds=ttl_s)).timestamp()),
         "jti": uuid.uuid4().hex,
     }
+    if may_spawn is not None:
+        claims["spawn"] = sorted(set(may_spawn))
+    if may_limit is not None:
+        claims["limits"] = sorted(set(may_limit))
     return jwt.encode(claims, check_secret(secret), algorithm=ALGORITHM)
 
 
@@ -194,9 +211,12 @@ def mint_attempt(
     secret: str | bytes,
     ttl_s: float = DEFAULT_TTL_S,
     now: datetime | None = None,
+    may_spawn: Iterable[str] | None = None,
+    may_limit: Iterable[str] | None = None,
 ) -> AttemptTokens:
-    """The two tokens of an attempt: the executor's (the run's capabilities) and the narrow
-    run-ledger one (``run.ledger.project`` only)."""
+    """The two tokens of an attempt: the executor's (the run's capabilities, restricted to
+    ``may_spawn`` and ``may_limit`` when given) and the narrow run-ledger one
+    (``run.ledger.project`` only)."""
     return AttemptTokens(
         executor=mint(
             descriptor,
@@ -206,6 +226,8 @@ def mint_attempt(
             secret=secret,
             ttl_s=ttl_s,
             now=now,
+            may_spawn=may_spawn,
+            may_limit=may_limit,
         ),
         ledger=mint(
             descriptor,
@@ -253,11 +275,23 @@ def verify(token: str | None, *, secret: str | bytes, now: datetime | None = Non
             capabilities=frozenset(str(c) for c in data["caps"]),
             expires_at=datetime.fromtimestamp(int(data["exp"]), UTC),
             token_id=str(data["jti"]),
+            may_spawn=_names(data, "spawn"),
+            may_limit=_names(data, "limits"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise TokenInvalid(
             f"the token lacks a claim: {exc}", fix="send a token this deployment minted"
         ) from exc
+
+
+def _names(data: Mapping[str, Any], claim: str) -> frozenset[str] | None:
+    """A restricting claim (a list of names), or None when the token has none."""
+    if claim not in data:
+        return None
+    names = data[claim]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"the {claim} claim is not a list of names")
+    return frozenset(names)
 
 
 _NEVER = datetime.max.replace(tzinfo=UTC)  # an in-process attempt's claims do not expire

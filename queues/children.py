@@ -98,6 +98,16 @@ async def spawn(
     raise refusal
 
 
+def _spawned(recorded: object) -> uuid.UUID | None:
+    """The child a spawn's receipt records, or None when the receipt is another step's."""
+    if not isinstance(recorded, dict):
+        return None
+    try:
+        return uuid.UUID(str(recorded["run_id"]))
+    except (KeyError, ValueError):
+        return None
+
+
 async def _spawn(
     conn: psycopg.AsyncConnection[Any],
     ref: dict[str, Any],
@@ -111,10 +121,9 @@ async def _spawn(
     org: str = ref["org"]
     step_key: str = ref["step_key"]
     claim = await receipts.claim(conn, **ref, lease_s=receipts.STEP_LEASE_S)
-    if claim.outcome == receipts.ClaimOutcome.REPLAY:
-        recorded = claim.result if isinstance(claim.result, dict) else {}
-        return Spawned(run_id=uuid.UUID(str(recorded["run_id"])), created=False)
-    if claim.outcome != receipts.ClaimOutcome.EXECUTE:
+    if claim.outcome == receipts.ClaimOutcome.REPLAY and (found := _spawned(claim.result)):
+        return Spawned(run_id=found, created=False)
+    if claim.outcome != receipts.ClaimOutcome.EXECUTE:  # another step's receipt, not a spawn
         raise InvalidField(
             f"step {step_key!r} was recorded as {claim.outcome}, not as a spawn",
             field="key",

@@ -22,6 +22,7 @@ database error onto this tree at one boundary.
     │   └── LimitUnknown                a permit of a rate limit nobody defined
     ├── DatabaseUnreachable             nothing answers at the configured database (exit 6)
     ├── DatabaseError                   the database refused a statement for another reason
+    ├── PostgresUnsupported             the server's major version is outside the supported range
     ├── SchemaError
     │   ├── SchemaContractMismatch      the database is not at the code's schema
     │   │   ├── ProcrastinateTooOld     the installed procrastinate predates the database's
@@ -35,7 +36,8 @@ database error onto this tree at one boundary.
     │   └── LaneBusy                    reclaim refused: unfinished runs
     ├── RunError
     │   ├── RunNotFound
-    │   └── RunNotRetryable             a retry of a run that did not fail or was not cancelled
+    │   ├── RunNotRetryable             a retry of a run that did not fail or was not cancelled
+    │   └── RunRowInvalid               a claimed run's row no worker can use (the run fails)
     ├── FenceError                      a write of a stale attempt or version
     │   ├── StaleAttempt                the attempt no longer owns its run
     │   └── SheetSuperseded             rows now belong to a newer admission
@@ -46,6 +48,7 @@ database error onto this tree at one boundary.
     │   ├── CapabilityScope             the token's capabilities do not allow the action
     │   └── RunScope                    the request names another run
     ├── TokenSecretMissing              no secret to sign or verify attempt tokens with
+    ├── SandboxUnavailable              a sandboxed play, and no sandbox to run it in
     ├── WriteVersionMismatch            caller's version disagrees with the stored intent
     └── EmbeddedPostgresError           the embedded default database failed
 """
@@ -147,6 +150,14 @@ class DatabaseUnreachable(WorkerError):
     exit_code = ExitCode.DATABASE_UNREACHABLE
 
 
+class PostgresUnsupported(WorkerError):
+    """The database server is a Postgres major this release does not support (below
+    :data:`queues.server.OLDEST_MAJOR`): refused at ``worker migrate`` and ``worker start``,
+    before anything is written."""
+
+    code = "POSTGRES_UNSUPPORTED"
+
+
 class DatabaseError(WorkerError):
     code = "DATABASE_ERROR"
 
@@ -245,6 +256,15 @@ class RunNotRetryable(RunError):
     http_status = 409
 
 
+class RunRowInvalid(RunError):
+    """A claimed run whose stored row a worker cannot use (params or authority that are
+    not a JSON object, JSON it cannot read, an authority naming another run): written
+    around admission's checks. The worker fails that run with this code, never retried, and
+    goes on."""
+
+    code = "RUN_ROW_INVALID"
+
+
 # ---- fences ----------------------------------------------------------------------------
 
 
@@ -338,6 +358,13 @@ class TokenSecretMissing(WorkerError):
     code = "TOKEN_SECRET_MISSING"
 
 
+class SandboxUnavailable(WorkerError):
+    """A sandboxed play, and no sandbox to run it in (bubblewrap is missing, or cannot
+    create its namespaces here): the run fails; it never runs unsandboxed."""
+
+    code = "SANDBOX_UNAVAILABLE"
+
+
 class WriteVersionMismatch(WorkerError):
     code = "WRITE_VERSION_MISMATCH"
     http_status = 409
@@ -407,6 +434,8 @@ SQLSTATE_ERRORS: dict[str, type[WorkerError]] = {
     "WQ007": LaneDraining,  # wq_submit: the lane is draining
     "WQ008": InvalidField,  # wq_submit_with_options: a run option this database lacks
     "WQ009": SchemaWindowClosed,  # a worker or lane of a release below the schema floor
+    "WQ010": InvalidField,  # the submit functions: a field breaks its rule (migration 0036)
+    "WQ011": PayloadTooLarge,  # the submit functions: a JSON value over its size
 }
 
 

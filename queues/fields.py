@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -39,9 +38,37 @@ MAX_PAGE_KEYS = 5000  # keys one write statement takes (bounds its locks and WAL
 JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
 
 MAX_RELEASE = 38  # the lane name (r-<release>) stays a short procrastinate queue name
+MAX_AUTHORITY_BYTES = 64 * 1024  # a run's authority: its descriptor, metadata, trace context
+# The longest integer a JSON value may hold: Python reads no longer one back (its default
+# int_max_str_digits), so a worker could not load a run that carried one.
+MAX_JSON_INTEGER_DIGITS = 4300
 
-PLAY_NAME = re.compile(r"[a-z][a-z0-9_.-]{0,99}")
+PLAY_NAME = re.compile(r"[a-z][a-z0-9_.-]*")  # up to MAX_PLAY characters: the text rule
 RELEASE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+# The characters no text field may hold: the control (Cc) and format (Cf) characters of
+# Unicode 14.0, except U+200D ZERO WIDTH JOINER (emoji sequences need it). One table, read
+# by these rules and, as a regular expression, by the database's (wq_field_rules(),
+# migration 0036), so a Python of another Unicode version refuses exactly the same text.
+CONTROL_RANGES: tuple[tuple[int, int], ...] = (
+    (0x0, 0x1F), (0x7F, 0x9F), (0xAD, 0xAD), (0x600, 0x605), (0x61C, 0x61C), (0x6DD, 0x6DD),
+    (0x70F, 0x70F), (0x890, 0x891), (0x8E2, 0x8E2), (0x180E, 0x180E), (0x200B, 0x200C),
+    (0x200E, 0x200F), (0x202A, 0x202E), (0x2060, 0x2064), (0x2066, 0x206F), (0xFEFF, 0xFEFF),
+    (0xFFF9, 0xFFFB), (0x110BD, 0x110BD), (0x110CD, 0x110CD), (0x13430, 0x13438),
+    (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A), (0xE0001, 0xE0001), (0xE0020, 0xE007F),
+)  # fmt: skip
+# The first character a text field may not hold: a lone surrogate or one of the above.
+_UNPRINTABLE = re.compile(
+    r"[\ud800-\udfff"
+    + "".join(rf"\U{low:08x}-\U{high:08x}" for low, high in CONTROL_RANGES)
+    + "]"
+)
+
+# The database measures a JSON value by the bytes of the jsonb it stores, not by its compact
+# text: it takes up to 6 times the bytes for the same value (12 bytes for a one-digit number
+# in an array, 2 as text), so the database's ceiling is this many times the limit of the
+# text, and a value these rules accept always fits.
+STORED_FACTOR = 6
 
 # A NUL escape that is not itself escaped ("\\u0000" is text, "\u0000" is U+0000): jsonb
 # refuses U+0000, so it is refused first with a message that names the field.
@@ -88,15 +115,15 @@ def text(
 def _bad_character(value: str) -> str | None:
     if value.isascii() and value.isprintable():
         return None  # the common case, checked in C: no control character, NUL or surrogate
-    for index, char in enumerate(value):
-        code = ord(char)
-        if 0xD800 <= code <= 0xDFFF:
-            return f"an invalid character (a lone surrogate, U+{code:04X}) at {index}"
-        if code == 0:
-            return f"a NUL character at {index}"
-        if unicodedata.category(char) in ("Cc", "Cf") and char not in "\u200d":
-            return f"a control character (U+{code:04X}) at {index}"
-    return None
+    found = _UNPRINTABLE.search(value)
+    if found is None:
+        return None
+    index, code = found.start(), ord(found[0])
+    if 0xD800 <= code <= 0xDFFF:
+        return f"an invalid character (a lone surrogate, U+{code:04X}) at {index}"
+    if code == 0:
+        return f"a NUL character at {index}"
+    return f"a control character (U+{code:04X}) at {index}"
 
 
 def shown(value: object) -> str:
@@ -334,6 +361,7 @@ def decode(text_value: str, *, field: str, what: str | None = None) -> Any:
 MAX_ATTEMPTS = 1000  # a run's (or a lane's) maximum of failed attempts
 MAX_META_BYTES = 8 * 1024  # a run's metadata: small, shown in `runs show`
 MAX_RUN_TIMEOUT_S = 365 * 86400.0
+MIN_RUN_TIMEOUT_S = 0.001
 PRIORITY_RANGE = (-1_000_000, 1_000_000)
 RETRY_KINDS = ("none", "fixed", "exponential")
 RETRY_BOUNDS = {  # a retry policy's numbers (the database checks the same bounds)
@@ -513,7 +541,7 @@ def run_timeout(value: object, *, field: str = "timeout") -> float:
     from its first start over every attempt, sleep and wait."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    return duration(value, field=field, minimum=0.001, maximum=MAX_RUN_TIMEOUT_S)
+    return duration(value, field=field, minimum=MIN_RUN_TIMEOUT_S, maximum=MAX_RUN_TIMEOUT_S)
 
 
 def start_by(value: object, *, field: str = "start_by", now: datetime | None = None) -> datetime:
@@ -553,6 +581,26 @@ def meta(value: object, *, field: str = "meta") -> dict[str, Any]:
         )
     encode(value, field=field, max_bytes=MAX_META_BYTES, fix="keep metadata small: ids, not data")
     return dict(value)
+
+
+def stored_ceiling(max_bytes: int) -> int:
+    """The database's ceiling on the jsonb it stores for a value of at most ``max_bytes`` of
+    compact JSON text (:data:`STORED_FACTOR`)."""
+    return max_bytes * STORED_FACTOR
+
+
+def sql_control_class() -> str:
+    """:data:`CONTROL_RANGES` as a Postgres regular expression: a bracket of ``\\u`` escapes
+    (a Postgres text cannot hold NUL, so it starts at U+0001)."""
+
+    def escape(code: int) -> str:
+        return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+    parts = []
+    for first, high in CONTROL_RANGES:
+        low = max(first, 1)
+        parts.append(escape(low) if low == high else f"{escape(low)}-{escape(high)}")
+    return "[" + "".join(parts) + "]"
 
 
 # ---- rate limits and schedules ---------------------------------------------------------------

@@ -71,7 +71,7 @@ import psycopg
 from psycopg.rows import class_row
 from psycopg.types.json import Jsonb
 
-from queues import roles
+from queues import roles, server
 from queues.errors import (
     ContractBlockedByLanes,
     MigrationFailed,
@@ -749,6 +749,7 @@ async def plan(
     by default)."""
     chain = procrastinate or installed_procrastinate()
     code = code_migrations() if code is None else code
+    await server.require_supported(conn)
     state, recorded, newer = await _where(conn, code)
     if newer:
         return Plan(steps=[], newer=newer, recorded=recorded)
@@ -796,6 +797,7 @@ async def migrate(
     """
     if not conn.autocommit:
         raise MigrationFailed("migrate needs an autocommit connection", fix="set autocommit")
+    await server.require_supported(conn)
     if force and not (reason and reason.strip()):
         raise MigrationFailed(
             "a forced contract step needs a reason",

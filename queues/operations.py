@@ -15,18 +15,27 @@ A receiver refuses, in this order, and never guesses:
    ``run.ledger.project`` must hold nothing else, may call only the keyed outbox delivery
    actions (:data:`LEDGER_ACTIONS`), and must send a non-blank ``idempotencyKey`` and
    ``deliveryLeaseOwner``;
-2. an action this receiver does not serve: 400, ``Unsupported action: NAME`` (an older
-   receiver serves a subset; the client turns that answer for the intent action into
-   ``RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE``, never a legacy admission);
-3. a payload field the action does not define (an unknown field is never ignored);
+2. an action this receiver does not serve: 400, ``Unsupported action: NAME``, whether an
+   older receiver serves a subset or nobody defined the name (the client turns that answer
+   for the intent action into ``RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE``, never a legacy
+   admission);
+3. a payload field the action does not define (an unknown field is never ignored), or one
+   of the wrong type or out of its range (:data:`FIELD_TYPES`, one table for every action);
 4. a request naming another run than its credential's: 403 (the run scope).
 
 A batch (``{"actions": [...]}``) is checked action by action before any of it runs; one
 refusal refuses the batch.
+
+The body itself is bounded before any of this: :data:`MAX_BODY_BYTES` (the largest legal
+step result in its envelope; the gateway answers 413 above its limit, which defaults to
+this) and :data:`MAX_BODY_DEPTH`; :func:`decode` refuses what is not JSON with a 400,
+never a traceback.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,7 +45,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from queues import children, limits, receipts, runs, sheets
+from queues import children, fields, limits, policy, receipts, runs, sheets
 from queues.authority import LEDGER_PROJECT, Claims
 from queues.errors import (
     CapabilityScope,
@@ -67,6 +76,24 @@ SCOPE_MESSAGE = "Unsupported runtime action capability scope."
 ADMISSION_TIMEOUT_S = 120.0
 COMPLETION_TIMEOUT_S = 60.0
 DEFAULT_TIMEOUT_S = 30.0
+
+# ---- the body's bounds (derived from the field limits: one source) ---------------------------
+
+# What a request adds around the largest value it carries (a step's result, at most
+# fields.MAX_RESULT_BYTES of compact JSON): the action's name, its keys, its scope and the
+# JSON that frames them, each bounded far below this.
+ENVELOPE_BYTES = 64 * 1024
+# The largest body a receiver must take: one step result of the largest legal size in its
+# envelope. The gateway's body limit defaults to this; a larger batch is split by its sender.
+MAX_BODY_BYTES = fields.MAX_RESULT_BYTES + ENVELOPE_BYTES
+# The levels a body adds above a value it carries: in {"actions": [{"input": {"results":
+# [[key, value]]}}]} a result's own top level is the seventh.
+ENVELOPE_DEPTH = 6
+MAX_BODY_DEPTH = fields.MAX_JSON_DEPTH + ENVELOPE_DEPTH
+# A step's lease: as long as the longest lease a lane may have.
+MAX_LEASE_S = policy.RULES["lease_ttl_s"].maximum
+MAX_BIGINT = 2**63 - 1
+MAX_INTEGER = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +137,7 @@ def _ref(claims: Claims, p: Input) -> dict[str, Any]:
 
 
 async def _receipt_claim(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    lease_s = float(p.get("leaseSeconds", receipts.STEP_LEASE_S))
+    lease_s = float(p.get("leaseSeconds") or receipts.STEP_LEASE_S)
     claim = await receipts.claim(conn, **_ref(claims, p), lease_s=lease_s)
     return {
         "outcome": claim.outcome.value,
@@ -329,7 +356,10 @@ async def _ledger(conn: AsyncConn, p: Input, claims: Claims, kind: str | None) -
         for index, item in enumerate(_list(p.get("events", []), "events")):
             where = f"events[{index}]"
             _check_fields(_mapping(item, where), frozenset({"kind", "data"}), {"kind"}, where)
-            name = _text(item["kind"], f"{where}.kind")
+            # Printable text, as every name is (an operator's terminal shows it).
+            name = fields.text(
+                item["kind"], field=f"{where}.kind", max_len=fields.MAX_EVENT_NAME, what="kind"
+            )
             if not name.startswith("play."):
                 raise InvalidField(
                     f"{where}.kind {name!r} is not a play event",
@@ -602,7 +632,10 @@ def authorize(
             "deliveryLeaseOwner": request.delivery_lease_owner,
         }
         needed = capability_for_request(body, claims.capabilities)
-        if needed is None or needed not in claims.capabilities:
+        # A name nobody defined needs no capability: it is not served (400), as the
+        # contract says, unless the credential is the ledger's, which the policy confines.
+        unknown = request.action not in ACTIONS and LEDGER_PROJECT not in claims.capabilities
+        if not unknown and (needed is None or needed not in claims.capabilities):
             raise CapabilityScope(SCOPE_MESSAGE, field="action", rule=request.action)
         if request.action not in served_now:
             suggestion = did_you_mean(request.action, served_now)
@@ -613,15 +646,38 @@ def authorize(
                 fix=f"use {suggestion!r}" if suggestion else "upgrade the receiver",
             )
         action = ACTIONS[request.action]
-        _check_fields(request.input, action.fields, action.required, f"{request.action}.input")
+        where = f"{request.action}.input"
+        _check_fields(request.input, action.fields, action.required, where)
+        _check_types(request.input, where)
+        _check_declared(request, claims)
         run_id = request.input.get("runId")
-        if run_id is not None and _uuid(run_id) != claims.run_id:
+        if run_id is not None and _uuid(run_id, f"{where}.runId") != claims.run_id:
             raise RunScope(
                 f"runId {run_id!r:.80} is not the run this credential was minted for",
                 field="input.runId",
                 rule="a credential acts on its own run only",
                 fix="send the runId of the attempt that holds this credential",
             )
+
+
+def _check_declared(request: Request, claims: Claims) -> None:
+    """A restricted credential (a sandboxed play's) spawns only the plays and takes only
+    the rate-limit keys its play declared (``may_spawn``, ``limits``): anything else is
+    refused like a capability it does not hold (403)."""
+    if request.action == "runtime_run_spawn" and claims.may_spawn is not None:
+        name, allowed, declared = request.input.get("play"), claims.may_spawn, "may_spawn"
+    elif request.action == "runtime_limit_acquire" and claims.may_limit is not None:
+        name, allowed, declared = request.input.get("key"), claims.may_limit, "limits"
+    else:
+        return
+    if name not in allowed:
+        raise CapabilityScope(
+            SCOPE_MESSAGE,
+            field=f"{request.action}.input",
+            rule=f"{name!r:.80} is not in the play's {declared} "
+            f"({', '.join(sorted(allowed)) or 'none'})",
+            fix=f"declare it: @registry.play(..., {declared}=[...])",
+        )
 
 
 async def check_live_lease(conn: AsyncConn, claims: Claims) -> None:
@@ -668,6 +724,148 @@ async def dispatch(
 
 
 # ---- payload checks ------------------------------------------------------------------------
+
+
+def decode(raw: bytes) -> object:
+    """A request body as JSON: refused (400, never a traceback) when it is not UTF-8 JSON,
+    holds NaN, Infinity or a number out of a float's range, or nests deeper than
+    :data:`MAX_BODY_DEPTH` (checked without recursion: a hostile depth cannot overflow)."""
+    try:
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int too long
+        raise InvalidField(
+            f"the request body is not JSON: {str(exc)[:200]}",
+            field="body",
+            rule="a JSON object in UTF-8, finite numbers only",
+            fix="send a JSON body",
+        ) from None
+    # Each level opens a bracket: a body with few brackets cannot nest too deep.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_BODY_DEPTH and fields.depth(value, MAX_BODY_DEPTH) > MAX_BODY_DEPTH:
+        raise _too_deep()
+    return value
+
+
+def _too_deep() -> InvalidField:
+    return InvalidField(
+        f"the request body nests deeper than {MAX_BODY_DEPTH} levels",
+        field="body",
+        rule=f"values nested at most {fields.MAX_JSON_DEPTH} levels deep in their envelope",
+        fix="flatten the value",
+    )
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+Check = Callable[[object, str], object]
+
+
+def _text_field(value: object, where: str) -> object:
+    return _text(value, where)
+
+
+def _optional_text(value: object, where: str) -> object:
+    return None if value is None else _text(value, where)
+
+
+def _mapping_field(value: object, where: str) -> object:
+    return _mapping(value, where)
+
+
+def _optional_mapping(value: object, where: str) -> object:
+    return None if value is None else _mapping(value, where)
+
+
+def _list_field(value: object, where: str) -> object:
+    return _list(value, where)
+
+
+def _any_json(value: object, where: str) -> object:
+    return value  # any JSON value: its size and depth are checked where it is stored
+
+
+def _uuid_field(value: object, where: str) -> object:
+    return _uuid(value, where)
+
+
+def _whole(minimum: int, maximum: int, *, optional: bool) -> Check:
+    def check(value: object, where: str) -> object:
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or not (
+            minimum <= value <= maximum
+        ):
+            raise InvalidField(
+                f"{where} must be a whole number from {minimum} to {maximum}, got "
+                f"{fields.shown(value)}",
+                field=where,
+                rule=f"an integer from {minimum} to {maximum}" + (" or null" if optional else ""),
+                fix=f"send {where} as a JSON integer in range",
+            )
+        return value
+
+    return check
+
+
+def _lease(value: object, where: str) -> object:
+    if value is None:
+        return None
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or not math.isfinite(number) or not 0 < number <= MAX_LEASE_S:
+        raise InvalidField(
+            f"{where} must be a number of seconds above 0 and at most {MAX_LEASE_S:g}, got "
+            f"{fields.shown(value)}",
+            field=where,
+            rule=f"a JSON number of seconds, 0 < n <= {MAX_LEASE_S:g}, or null",
+            fix="send the lane's lease TTL in seconds, or omit it",
+        )
+    return value
+
+
+# The type of every field an action's input may carry, by name (a name means the same in
+# every action that takes it): checked for each request before any handler runs, so a
+# value of the wrong type or out of range is a 400 naming the field, never a 500.
+FIELD_TYPES: Mapping[str, Check] = {
+    "runId": _uuid_field,
+    "stepKey": _text_field,
+    "scope": _optional_text,
+    "leaseSeconds": _lease,
+    "result": _any_json,
+    "error": _mapping_field,
+    "tableNamespace": _text_field,
+    "rows": _list_field,
+    "writeVersion": _whole(0, MAX_BIGINT, optional=True),
+    "results": _list_field,
+    "keys": _list_field,
+    "page": _whole(0, MAX_INTEGER, optional=True),
+    "name": _text_field,
+    "payload": _any_json,
+    "key": _text_field,
+    "hold": _text_field,
+    "play": _text_field,
+    "params": _optional_mapping,
+    "options": _optional_mapping,
+    "priority": _whole(*fields.PRIORITY_RANGE, optional=True),
+    "childId": _uuid_field,
+    "events": _list_field,
+}
+
+
+def _check_types(payload: Mapping[str, Any], where: str) -> None:
+    for name, value in payload.items():
+        FIELD_TYPES[name](value, f"{where}.{name}")
+
 
 
 def _check_fields(
@@ -751,17 +949,19 @@ def _rows(value: object) -> list[tuple[str, sheets.JSON]]:
     return rows
 
 
-def _uuid(value: object) -> uuid.UUID:
+def _uuid(value: object, where: str = "runId") -> uuid.UUID:
     if isinstance(value, uuid.UUID):
         return value
     try:
-        return uuid.UUID(str(value))
+        if not isinstance(value, str):
+            raise ValueError(value)
+        return uuid.UUID(value)
     except ValueError:
         raise InvalidField(
-            f"runId must be a UUID, got {value!r:.80}",
-            field="runId",
+            f"{where} must be a UUID, got {value!r:.80}",
+            field=where,
             rule="a UUID",
-            fix="pass the run id the admission returned",
+            fix="pass the id the runtime returned",
         ) from None
 
 

@@ -212,13 +212,16 @@ async def cancel(
     reason = _check_reason(reason)
     async with conn.transaction():
         result = await runs.cancel(conn, run_id, reason=reason, force=force, actor=actor)
-        if result.changed:
+        # Every request is recorded with who asked, a repeat too (it wakes the run's worker
+        # again, which reads the request the first one wrote).
+        if result.changed or result.notified:
             await record(
                 conn,
                 actor=actor,
                 action="cancel",
                 run_id=run_id,
-                data={"before": result.before, "after": result.after, "force": force},
+                data={"before": result.before, "after": result.after, "force": force}
+                | ({} if result.changed else {"repeated": True}),
             )
     if result.before in ("queued", "running", "sleeping", "cancelled"):
         await children.cancel_descendants(conn, run_id, force=force, actor=actor)

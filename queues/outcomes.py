@@ -31,6 +31,7 @@ import psycopg
 import psycopg.errors
 from psycopg_pool import PoolTimeout
 
+from queues.errors import RunRowInvalid
 from queues.lanes import RetryPolicy
 
 
@@ -174,6 +175,19 @@ def timed_out(run_id: uuid.UUID, attempt: int, deadline: datetime | None) -> Fin
             "code": "RUN_TIMED_OUT",
             "message": f"the run passed its timeout (deadline {when}) and was stopped",
         },
+    )
+
+
+def row_invalid(run_id: uuid.UUID, attempt: int, problem: str) -> Finish:
+    """A claimed run whose stored row no worker can use (:func:`queues.runs.unusable`):
+    failed before its play runs, never retried (every attempt would meet the same row)."""
+    return Finish(
+        run_id,
+        attempt,
+        RunState.FAILED,
+        Outcome.FAILED,
+        "run_failed",
+        error={"type": "RunRowInvalid", "code": RunRowInvalid.code, "message": problem},
     )
 
 

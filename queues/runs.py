@@ -13,6 +13,7 @@ What an attempt's end does to its run (retry, fail, interrupted, cancel) is deci
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import class_row
-from psycopg.types.json import Jsonb
+from psycopg.types.json import Jsonb, JsonbLoader
 
 from queues import fields, migrations, transport
 from queues.authority import Descriptor
@@ -92,6 +93,67 @@ class Claimed:
             self.run_id,
             {"org": self.org, "play": self.play, "release": self.release} | stored,
         )
+
+
+class Unreadable:
+    """A stored JSON value this process cannot read back (nested past Python's recursion
+    limit, or an integer longer than Python reads), kept in its place: the claim that
+    met it goes on, and the run it belongs to fails (:func:`unusable`)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"Unreadable({self.reason!r})"
+
+
+def _loads_or_unreadable(data: bytes | str) -> Any:
+    try:
+        return json.loads(data)
+    except (RecursionError, ValueError) as exc:
+        return Unreadable(f"{type(exc).__name__}: {str(exc)[:200]}")
+
+
+# The claim's jsonb columns: a value that cannot be read is :class:`Unreadable`, never an
+# exception that would lose the whole batch the claim took (its runs already leased).
+_ClaimJsonbLoader: type[JsonbLoader] = type(
+    "_ClaimJsonbLoader", (JsonbLoader,), {"_loads": _loads_or_unreadable}
+)
+
+
+def unusable(c: Claimed) -> str | None:
+    """Why a worker cannot use a claimed run's row, or None.
+
+    Admission refuses every such value (``wq_submit``, migration 0036); a row written around
+    it (by the owner, or admitted before the database checked) reaches a worker all the
+    same, which fails that run (``RUN_ROW_INVALID``, :func:`queues.outcomes.row_invalid`)
+    instead of dying on it. Unusable: an empty or missing name; params, authority or
+    metadata that are not JSON objects, or JSON this process cannot read; an authority that
+    names another run, org or play (its attempt's tokens are minted from it), or whose
+    capabilities are not a list of names. (Its release may differ: ``worker queues adopt``
+    moves a run to another release's lane and leaves its authority as admitted.)"""
+    for name in ("org", "play", "lane", "release"):
+        value = getattr(c, name)
+        if not isinstance(value, str) or not value:
+            return f"its {name} is {fields.shown(value)}"
+    for name in ("params", "authority", "meta", "wake_payload"):
+        value = getattr(c, name)
+        if isinstance(value, Unreadable):
+            return f"its {name} cannot be read: {value.reason}"
+        if name != "wake_payload" and not isinstance(value, dict | None):
+            return f"its {name} is a JSON {type(value).__name__}, not an object"
+    if c.params is None:
+        return "its params are null, not an object"
+    authority = c.authority or {}
+    for key, value in (("run", str(c.run_id)), ("org", c.org), ("play", c.play)):
+        if key in authority and authority[key] != value:
+            return f"its authority names {key} {fields.shown(authority[key])}, not {value!r}"
+    caps = authority.get("capabilities")
+    if caps is not None and not (isinstance(caps, list) and all(isinstance(x, str) for x in caps)):
+        return f"its authority's capabilities are {fields.shown(caps)}, not a list of names"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +264,7 @@ async def claim(
     }
     async with one_statement(conn):
         async with conn.cursor(row_factory=class_row(Claimed)) as cur:
+            cur.adapters.register_loader("jsonb", _ClaimJsonbLoader)
             await cur.execute(q("run_claim_batch"), params)
             rows = await cur.fetchall()
         dropped = [r for r in rows if not r.claimed]
@@ -256,6 +319,28 @@ async def heartbeat(
             },
         )
         return await cur.fetchall()
+
+
+async def cancel_requested(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    worker_id: str,
+    leases: Sequence[tuple[uuid.UUID, int]],
+) -> set[tuple[uuid.UUID, int]]:
+    """Which of this worker's live attempts (``leases``: run, attempt) have a durable cancel
+    request on their run: what a worker reads when a control message names one of them,
+    before it stops anything (a NOTIFY is anyone's; the request is the worker role's)."""
+    if not leases:
+        return set()
+    cur = await conn.execute(
+        q("run_cancel_requested"),
+        {
+            "worker": worker_id,
+            "run_ids": [run_id for run_id, _ in leases],
+            "attempts": [attempt for _, attempt in leases],
+        },
+    )
+    return {(row[0], row[1]) for row in await cur.fetchall()}
 
 
 async def finish(

@@ -34,11 +34,16 @@ SQL function                       does
 ``wq_transport_prune(...)``        delete finished jobs past their lane's retention
 ``wq_transport_register_worker``,  procrastinate's worker row of a worker
 ``wq_transport_beat(...)``
-``wq_transport_notify_cancel``     NOTIFY :data:`CONTROL_CHANNEL`: cancel a run
+``wq_transport_notify_cancel``     NOTIFY :data:`CONTROL_CHANNEL`: wake the worker of a
+                                   run whose cancel was requested (the worker role's)
 =================================  ==================================================
 
 The writers take arrays: a batch statement calls each once, never per row. The migration
 says why the claim may take a job whose run it cannot see yet, and what becomes of it.
+
+A control message is a wake, never an order: any role that can connect can NOTIFY any
+channel. The request itself is the run's row (``wq_runs.cancel_requested_at``, written by
+``run_cancel``), which a worker reads before it stops anything (migration 0036).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from psycopg import sql
 from queues.queries import q
 
 TASK_NAME = "wq.run"  # the task of a run's job (its args: {"run_id": ...})
-CONTROL_CHANNEL = "wq_control"  # our NOTIFY channel: {"cancel": run_id}
+CONTROL_CHANNEL = "wq_control"  # our NOTIFY channel: {"cancel": run_id}, a run to look at
 MAINTENANCE_QUEUE = "wq-maintenance"  # procrastinate's own worker serves this queue
 RECOVERY_TASK = "wq.recovery"  # the periodic recovery pass, one job per tick
 RECOVERY_PERIODIC_ID = "wq-recovery"
@@ -94,7 +99,8 @@ async def wake(conn: psycopg.AsyncConnection[Any], lanes: Sequence[str]) -> int:
 
 
 def cancel_request(payload: str) -> uuid.UUID | None:
-    """The run a control message asks to cancel (``wq_transport_notify_cancel``), if any."""
+    """The run a control message names (``wq_transport_notify_cancel``), if any: a run to
+    look at, whose durable request decides (anyone may send such a message)."""
     try:
         message = json.loads(payload)
         return uuid.UUID(str(message.get("cancel")))

@@ -812,6 +812,107 @@ END;
 $$;
 
 --
+-- Name: wq_field_rule(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_field_rule(p_name text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT wq_field_rules() ->> p_name
+$$;
+
+--
+-- Name: wq_field_rules(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_field_rules() RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $_$
+    SELECT jsonb_build_object(
+        'lane_prefix', 'r-',
+        'max_release', 38,
+        'release_name', '^[A-Za-z0-9][A-Za-z0-9._-]*$',
+        'max_play', 100,
+        'play_name', '^[a-z][a-z0-9_.-]*$',  -- its length is the text rule's (max_play)
+        'max_org', 100,
+        'max_idempotency_key', 200,
+        -- Unicode 14.0's control (Cc) and format (Cf) characters, except U+200D
+        -- (queues.fields.CONTROL_RANGES)
+        'control', '[\u0001-\u001f\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f'
+                   '\u0890-\u0891\u08e2\u180e\u200b-\u200c\u200e-\u200f\u202a-\u202e'
+                   '\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd'
+                   '\U00013430-\U00013438\U0001bca0-\U0001bca3\U0001d173-\U0001d17a'
+                   '\U000e0001\U000e0020-\U000e007f]',
+        'priority_min', -1000000,
+        'priority_max', 1000000,
+        'max_json_depth', 64,
+        'max_json_integer_digits', 4300,
+        'max_params_stored_bytes', 6 * 262144,
+        'max_authority_stored_bytes', 6 * 65536,
+        'max_meta_stored_bytes', 6 * 8192,
+        'capabilities', jsonb_build_array('sheet.write', 'receipt.write', 'event.emit',
+                                          'run.read', 'limit.acquire', 'run.spawn'),
+        'max_batch', 10000,
+        'max_attempts', 1000,
+        'min_run_timeout_s', 0.001,
+        'max_run_timeout_s', 31536000.0,
+        'retry_kinds', jsonb_build_array('none', 'fixed', 'exponential'),
+        'retry_bounds', jsonb_build_object('base_s', jsonb_build_array(0.0, 86400.0),
+                                           'factor', jsonb_build_array(1.0, 100.0),
+                                           'cap_s', jsonb_build_array(0.0, 604800.0),
+                                           'jitter', jsonb_build_array(0.0, 1.0)))
+$_$;
+
+--
+-- Name: wq_json_problem(jsonb, text, integer); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_json_problem(p_value jsonb, p_field text, p_max_stored integer) RETURNS text[]
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $_$
+    SELECT CASE
+        WHEN p_value IS NULL OR jsonb_typeof(p_value) <> 'object' THEN
+            ARRAY['WQ010', p_field, 'a JSON object',
+                  format('%s must be a JSON object, got %s', p_field,
+                         coalesce(jsonb_typeof(p_value), 'null')),
+                  'wrap the value in an object']
+        WHEN pg_column_size(p_value) > p_max_stored
+             OR (pg_column_compression(p_value) IS NOT NULL
+                 AND octet_length(p_value::text) > p_max_stored) THEN
+            ARRAY['WQ011', p_field, format('at most %s bytes of jsonb', p_max_stored),
+                  format('%s is %s bytes of jsonb; the limit is %s', p_field,
+                         greatest(pg_column_size(p_value), octet_length(p_value::text)),
+                         p_max_stored),
+                  'pass large inputs as sheet rows (--input) instead']
+        -- A container nested past the limit sits in one more container per level, each of
+        -- 8 bytes at least (its header and its entry in its parent): a value stored in fewer
+        -- bytes is not walked.
+        WHEN (pg_column_size(p_value) >= 8 * wq_field_rule('max_json_depth')::integer
+              OR pg_column_compression(p_value) IS NOT NULL)
+             AND jsonb_path_exists(
+                 p_value,
+                 ('strict $.**{' || wq_field_rule('max_json_depth')
+                  || '} ? (@.type() == "object" || @.type() == "array")')::jsonpath) THEN
+            ARRAY['WQ010', p_field,
+                  format('JSON nested at most %s levels deep', wq_field_rule('max_json_depth')),
+                  format('%s nests deeper than %s levels', p_field,
+                         wq_field_rule('max_json_depth')),
+                  'flatten the value']
+        WHEN jsonb_path_exists(
+                 p_value,
+                 'strict $.** ? (@.type() == "number" && (@ >= $big || @ <= -$big))',
+                 ('{"big": 1' || repeat('0', wq_field_rule('max_json_integer_digits')::integer)
+                  || '}')::jsonb) THEN
+            ARRAY['WQ010', p_field,
+                  format('numbers of at most %s digits before the point',
+                         wq_field_rule('max_json_integer_digits')),
+                  format('%s holds a number of more than %s digits', p_field,
+                         wq_field_rule('max_json_integer_digits')),
+                  'send such a number as a string']
+    END
+$_$;
+
+--
 -- Name: wq_lease_lapsed(text, timestamp with time zone, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -857,6 +958,126 @@ END;
 $$;
 
 --
+-- Name: wq_options_problem(jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_options_problem(p_options jsonb) RETURNS text[]
+    LANGUAGE plpgsql STABLE
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_value jsonb;
+    v_retry jsonb;
+    v_bound record;
+    v_number numeric;
+    v_retry_rule text := 'none, fixed:DURATION or exponential:base=DURATION,factor=N,'
+                         'cap=DURATION,jitter=F (each part optional; base 0 to 1d, factor 1 '
+                         'to 100, cap up to 7d, jitter 0 to 1)';
+BEGIN
+    IF p_options IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(p_options) <> 'object' THEN
+        RETURN ARRAY['WQ010', 'options', 'a JSON object of run options',
+                     format('the options are a JSON %s', jsonb_typeof(p_options)),
+                     'send an object (queues.options.RunOptions.as_json)'];
+    END IF;
+
+    v_value := p_options -> 'max_attempts';
+    v_number := CASE WHEN jsonb_typeof(v_value) = 'number' THEN v_value::numeric END;
+    IF v_value IS NOT NULL AND (
+           v_number IS NULL
+           OR v_number <> trunc(v_number)
+           OR v_number NOT BETWEEN 1 AND wq_field_rule('max_attempts')::numeric) THEN
+        RETURN ARRAY['WQ010', 'max_attempts',
+                     format('a whole number from 1 to %s', wq_field_rule('max_attempts')),
+                     'max attempts is ' || left(v_value::text, 60),
+                     'pass e.g. max_attempts 3'];
+    END IF;
+
+    v_retry := p_options -> 'retry';
+    IF v_retry IS NOT NULL THEN
+        IF jsonb_typeof(v_retry) <> 'object' THEN
+            RETURN ARRAY['WQ010', 'retry', v_retry_rule,
+                         format('retry is a JSON %s', jsonb_typeof(v_retry)),
+                         'pass e.g. retry fixed:30s'];
+        END IF;
+        IF v_retry ? 'kind' AND NOT (wq_field_rules() -> 'retry_kinds') @> jsonb_build_array(v_retry -> 'kind') THEN
+            RETURN ARRAY['WQ010', 'retry', v_retry_rule,
+                         'retry kind is ' || left((v_retry -> 'kind')::text, 60),
+                         'pass e.g. retry exponential:base=2s,factor=2,cap=5m'];
+        END IF;
+        FOR v_bound IN
+            SELECT b.key, (b.value ->> 0)::numeric AS low, (b.value ->> 1)::numeric AS high
+              FROM jsonb_each(wq_field_rules() -> 'retry_bounds') AS b
+        LOOP
+            v_value := v_retry -> v_bound.key;
+            CONTINUE WHEN v_value IS NULL;
+            v_number := CASE WHEN jsonb_typeof(v_value) = 'number' THEN v_value::numeric END;
+            IF v_number IS NULL OR v_number NOT BETWEEN v_bound.low AND v_bound.high THEN
+                RETURN ARRAY['WQ010', 'retry', v_retry_rule,
+                             format('retry %s is %s', v_bound.key, left(v_value::text, 60)),
+                             format('pass a %s from %s to %s', v_bound.key, v_bound.low,
+                                    v_bound.high)];
+            END IF;
+        END LOOP;
+        IF (v_retry -> 'cap_s')::numeric < (v_retry -> 'base_s')::numeric THEN
+            RETURN ARRAY['WQ010', 'retry', 'cap at least base',
+                         format('retry cap (%s s) is below its base (%s s)',
+                                v_retry -> 'cap_s', v_retry -> 'base_s'),
+                         'raise cap or lower base'];
+        END IF;
+    END IF;
+
+    v_value := p_options -> 'timeout_s';
+    IF v_value IS NOT NULL THEN
+        v_number := CASE WHEN jsonb_typeof(v_value) = 'number' THEN v_value::numeric END;
+        IF v_number IS NULL
+           OR v_number NOT BETWEEN wq_field_rule('min_run_timeout_s')::numeric
+                               AND wq_field_rule('max_run_timeout_s')::numeric THEN
+            RETURN ARRAY['WQ010', 'timeout',
+                         format('a duration from %s to %s seconds',
+                                wq_field_rule('min_run_timeout_s'),
+                                wq_field_rule('max_run_timeout_s')),
+                         'the timeout is ' || left(v_value::text, 60),
+                         'pass e.g. timeout 1h'];
+        END IF;
+    END IF;
+
+    v_value := p_options -> 'start_by';
+    IF v_value IS NOT NULL AND jsonb_typeof(v_value) <> 'string' THEN
+        RETURN ARRAY['WQ010', 'start_by',
+                     'a time with its offset (2030-01-01T09:00:00+00:00)',
+                     'start_by is ' || left(v_value::text, 60),
+                     'pass e.g. start_by 10m'];
+    END IF;
+
+    IF p_options ? 'meta' THEN
+        RETURN wq_json_problem(p_options -> 'meta', 'meta',
+                               wq_field_rule('max_meta_stored_bytes')::integer);
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: wq_refuse(text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_refuse(p_problem text[]) RETURNS void
+    LANGUAGE plpgsql
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+BEGIN
+    RAISE EXCEPTION USING
+        ERRCODE = p_problem[1],
+        MESSAGE = p_problem[4] || ': nothing was written',
+        DETAIL = json_build_object('field', p_problem[2], 'rule', p_problem[3])::text,
+        HINT = p_problem[5];
+END
+$$;
+
+--
 -- Name: wq_refuse_below_floor(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -889,6 +1110,16 @@ END
 $$;
 
 --
+-- Name: wq_shown(text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_shown(p_value text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $$
+    SELECT quote_literal(regexp_replace(left(p_value, 60), wq_field_rule('control'), '?', 'g'))
+$$;
+
+--
 -- Name: wq_submit(uuid, text, text, jsonb, text, text, text, integer, jsonb, jsonb[], bigint, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -903,7 +1134,14 @@ DECLARE
     v_run uuid;
     v_existing record;
     v_fix text;
+    v_problem text[];
 BEGIN
+    v_problem := wq_submit_problem(p_id, p_org, p_play, p_params, p_release, p_lane, p_key,
+                                   p_priority, p_authority);
+    IF v_problem IS NOT NULL THEN
+        PERFORM wq_refuse(v_problem);
+    END IF;
+
     SELECT l.state INTO v_state FROM wq_lanes l WHERE l.name = p_lane FOR SHARE;
     IF v_state IS DISTINCT FROM 'prepared' THEN
         -- A retried request (its response lost) answers with its run even after the lane
@@ -1003,7 +1241,34 @@ DECLARE
     v_ids uuid[];
     v_jobs bigint[];
     v_spawned integer;
+    v_bad bigint;
+    v_problem text[];
 BEGIN
+    IF cardinality(p_ids) > wq_field_rule('max_batch')::integer THEN
+        PERFORM wq_refuse(ARRAY['WQ010', 'runs',
+                                format('at most %s submissions per batch',
+                                       wq_field_rule('max_batch')),
+                                format('%s submissions in one batch', cardinality(p_ids)),
+                                'split the batch']);
+    END IF;
+    -- The first submission with a problem (each checked once), then its problem.
+    SELECT min(s.ord) INTO v_bad
+      FROM unnest(p_ids, p_orgs, p_plays, p_params, p_releases, p_lanes, p_keys,
+                  p_priorities, p_authorities) WITH ORDINALITY
+           AS s (id, org, play, params, release, lane, key, priority, authority, ord)
+     WHERE wq_submit_problem(s.id, s.org, s.play, s.params, s.release, s.lane, s.key,
+                             s.priority, s.authority) IS NOT NULL;
+    IF v_bad IS NOT NULL THEN
+        SELECT wq_submit_problem(s.id, s.org, s.play, s.params, s.release, s.lane, s.key,
+                                 s.priority, s.authority) INTO v_problem
+          FROM unnest(p_ids, p_orgs, p_plays, p_params, p_releases, p_lanes, p_keys,
+                      p_priorities, p_authorities) WITH ORDINALITY
+               AS s (id, org, play, params, release, lane, key, priority, authority, ord)
+         WHERE s.ord = v_bad;
+        v_problem[4] := format('submission %s of the batch: %s', v_bad, v_problem[4]);
+        PERFORM wq_refuse(v_problem);
+    END IF;
+
     PERFORM 1 FROM wq_lanes l WHERE l.name = ANY (p_lanes) ORDER BY l.name FOR SHARE;
 
     SELECT s.lane, s.release, l.state INTO v_closed
@@ -1106,6 +1371,89 @@ END;
 $$;
 
 --
+-- Name: wq_submit_problem(uuid, text, text, jsonb, text, text, text, integer, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_submit_problem(p_id uuid, p_org text, p_play text, p_params jsonb, p_release text, p_lane text, p_key text, p_priority integer, p_authority jsonb) RETURNS text[]
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$
+    SELECT coalesce(
+        CASE WHEN p_id IS NULL THEN
+            ARRAY['WQ010', 'id', 'a run id (a uuid)', 'the run id is null',
+                  'pass a new uuid']
+        END,
+        CASE
+            WHEN p_release IS NULL OR p_release = '' THEN
+                ARRAY['WQ010', 'release', 'a short identifier: letters, digits, ''.'', ''_'' or ''-''',
+                      'the release is ' || CASE WHEN p_release IS NULL THEN 'null' ELSE 'empty' END,
+                      'pass --release (e.g. a short git sha or v42) or set WORKER_RELEASE']
+            WHEN length(p_release) > wq_field_rule('max_release')::integer
+                 OR p_release !~ wq_field_rule('release_name') THEN
+                ARRAY['WQ010', 'release',
+                      format('1 to %s characters of letters, digits, ''.'', ''_'' or ''-'', '
+                             'starting with a letter or digit', wq_field_rule('max_release')),
+                      'invalid release name ' || wq_shown(p_release),
+                      'use a short git sha (12 characters) or a version like v42']
+        END,
+        CASE WHEN p_lane IS DISTINCT FROM wq_field_rule('lane_prefix') || p_release THEN
+            ARRAY['WQ010', 'lane', 'the lane of its release: r-<release>',
+                  format('lane %s is not the lane of release %s', wq_shown(p_lane),
+                         wq_shown(p_release)),
+                  'pass the lane r-<release>, or let admission name it (queues.admission)']
+        END,
+        wq_text_problem(p_play, 'play', 'play name', wq_field_rule('max_play')::integer,
+                        NULL),
+        CASE WHEN p_play !~ wq_field_rule('play_name') THEN
+            ARRAY['WQ010', 'play',
+                  format('lower-case letters, digits, ''.'', ''_'' or ''-'', starting with a '
+                         'letter, up to %s characters', wq_field_rule('max_play')),
+                  'invalid play name ' || wq_shown(p_play),
+                  'use the name the play was registered with']
+        END,
+        wq_text_problem(p_org, 'org', 'org', wq_field_rule('max_org')::integer,
+                        'pass a short identifier'),
+        CASE WHEN p_key IS NOT NULL THEN
+            wq_text_problem(p_key, 'idempotency_key', 'idempotency key',
+                            wq_field_rule('max_idempotency_key')::integer,
+                            'use a delivery id or a request id')
+        END,
+        CASE WHEN p_priority IS NULL
+                  OR p_priority < wq_field_rule('priority_min')::integer
+                  OR p_priority > wq_field_rule('priority_max')::integer THEN
+            ARRAY['WQ010', 'priority',
+                  format('a whole number from %s to %s', wq_field_rule('priority_min'),
+                         wq_field_rule('priority_max')),
+                  'priority is ' || coalesce(p_priority::text, 'null'),
+                  'pass e.g. priority 10']
+        END,
+        wq_json_problem(p_params, 'params', wq_field_rule('max_params_stored_bytes')::integer),
+        wq_json_problem(p_authority, 'authority',
+                        wq_field_rule('max_authority_stored_bytes')::integer),
+        -- The authority is what the run's attempt tokens are minted from: it names this
+        -- run, and grants no capability admission does not.
+        CASE
+            WHEN (p_authority ? 'run' AND p_authority -> 'run' IS DISTINCT FROM to_jsonb(p_id::text))
+                 OR (p_authority ? 'org' AND p_authority -> 'org' IS DISTINCT FROM to_jsonb(p_org))
+                 OR (p_authority ? 'play' AND p_authority -> 'play' IS DISTINCT FROM to_jsonb(p_play))
+                 OR (p_authority ? 'release'
+                     AND p_authority -> 'release' IS DISTINCT FROM to_jsonb(p_release)) THEN
+                ARRAY['WQ010', 'authority',
+                      'names the run it is stored with: its run id, org, play and release',
+                      'the authority names another run, org, play or release than its run''s',
+                      'let admission make the authority (queues.admission)']
+            WHEN p_authority ? 'capabilities'
+                 AND NOT (jsonb_typeof(p_authority -> 'capabilities') = 'array'
+                          AND (p_authority -> 'capabilities')
+                              <@ (wq_field_rules() -> 'capabilities')) THEN
+                ARRAY['WQ010', 'authority',
+                      'capabilities: a list of those admission grants, of '
+                      || (wq_field_rules() -> 'capabilities')::text,
+                      'the authority grants capabilities admission does not',
+                      'let admission make the authority (queues.admission)']
+        END)
+$$;
+
+--
 -- Name: wq_submit_same_request(uuid, text, jsonb, text, text, text, jsonb, text, text); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1148,8 +1496,15 @@ CREATE FUNCTION public.wq_submit_with_options(p_id uuid, p_org text, p_play text
 DECLARE
     v_admitted record;
     v_unknown text;
-    v_retry jsonb := coalesce(p_options -> 'retry', '{}'::jsonb);
+    v_retry jsonb;
+    v_problem text[];
 BEGIN
+    v_problem := wq_options_problem(p_options);
+    IF v_problem IS NOT NULL THEN
+        PERFORM wq_refuse(v_problem);
+    END IF;
+    v_retry := coalesce(p_options -> 'retry', '{}'::jsonb);
+
     SELECT k INTO v_unknown
       FROM jsonb_object_keys(coalesce(p_options, '{}'::jsonb)) AS k
      WHERE k NOT IN ('max_attempts', 'retry', 'timeout_s', 'start_by', 'meta')
@@ -1249,6 +1604,36 @@ BEGIN
     ON CONFLICT (metric, label) DO UPDATE SET value = t.value + excluded.value;
     RETURN NULL;
 END;
+$$;
+
+--
+-- Name: wq_text_problem(text, text, text, integer, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_text_problem(p_value text, p_field text, p_what text, p_max integer, p_fix text) RETURNS text[]
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$
+    SELECT CASE
+        WHEN p_value IS NULL OR p_value = '' THEN
+            ARRAY['WQ010', p_field,
+                  format('a non-empty string of at most %s characters', p_max),
+                  format('%s is %s', p_what,
+                         CASE WHEN p_value IS NULL THEN 'null' ELSE 'empty' END),
+                  coalesce(p_fix, 'pass a ' || p_what)]
+        WHEN length(p_value) > p_max THEN
+            ARRAY['WQ010', p_field, format('at most %s characters', p_max),
+                  format('%s is %s characters long', p_what, length(p_value)),
+                  coalesce(p_fix, 'shorten the ' || p_what)]
+        WHEN p_value ~ wq_field_rule('control') THEN
+            ARRAY['WQ010', p_field,
+                  'printable text: no control characters, no NUL, valid Unicode',
+                  format('%s contains a control character (U+%s) at %s', p_what,
+                         upper(lpad(to_hex(ascii(substring(p_value
+                                                           FROM wq_field_rule('control')))),
+                                    4, '0')),
+                         strpos(p_value, substring(p_value FROM wq_field_rule('control'))) - 1),
+                  coalesce(p_fix, 'remove it from the ' || p_what)]
+    END
 $$;
 
 --
@@ -1353,21 +1738,27 @@ $$;
 
 CREATE FUNCTION public.wq_transport_prune(p_lanes text[], p_cutoffs timestamp with time zone[], p_limit integer) RETURNS SETOF bigint
     LANGUAGE sql
+    SET jit TO 'off'
     AS $$
     WITH doomed AS (
-        SELECT j.id
+        SELECT e.job_id AS id
           FROM procrastinate_events e
-          JOIN procrastinate_jobs j ON j.id = e.job_id
-          JOIN unnest(p_lanes, p_cutoffs) AS l (name, cutoff) ON l.name = j.queue_name
          WHERE e.type IN ('succeeded', 'failed', 'cancelled', 'aborted')
            AND e.at < (SELECT max(c) FROM unnest(p_cutoffs) AS c)
-           AND j.task_name IN ('wq.run', 'wq.recovery')
-           AND j.status IN ('succeeded', 'failed', 'cancelled', 'aborted')
-           AND (SELECT max(x.at) FROM procrastinate_events x WHERE x.job_id = j.id) < l.cutoff
-           AND NOT EXISTS (SELECT FROM procrastinate_periodic_defers d WHERE d.job_id = j.id)
+           AND (SELECT true
+                  FROM procrastinate_jobs j
+                  JOIN unnest(p_lanes, p_cutoffs) AS l (name, cutoff) ON l.name = j.queue_name
+                 WHERE j.id = e.job_id
+                   AND j.task_name IN ('wq.run', 'wq.recovery')
+                   AND j.status IN ('succeeded', 'failed', 'cancelled', 'aborted')
+                   AND (SELECT max(x.at) FROM procrastinate_events x WHERE x.job_id = j.id)
+                       < l.cutoff
+                   AND NOT EXISTS (SELECT FROM procrastinate_periodic_defers d
+                                    WHERE d.job_id = j.id)
+                 LIMIT 1
+                   FOR UPDATE OF j SKIP LOCKED)
          ORDER BY e.at, e.job_id
          LIMIT p_limit
-           FOR UPDATE OF j SKIP LOCKED
     )
     DELETE FROM procrastinate_jobs j
      WHERE j.id = ANY (ARRAY(SELECT d.id FROM doomed d))
@@ -1484,6 +1875,7 @@ CREATE FUNCTION public.wq_transport_take(p_lanes text[], p_limit integer, p_work
     SET plan_cache_mode TO 'force_generic_plan'
     SET enable_sort TO 'off'
     SET enable_incremental_sort TO 'off'
+    SET jit TO 'off'
     AS $_$
 #variable_conflict use_column
 DECLARE
@@ -1574,6 +1966,7 @@ CREATE FUNCTION public.wq_transport_take_fair(p_lanes text[], p_limit integer, p
     SET enable_mergejoin TO 'off'
     SET enable_material TO 'off'
     SET enable_incremental_sort TO 'off'
+    SET jit TO 'off'
     AS $_$
 #variable_conflict use_column
 DECLARE

@@ -5,15 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queues import admission, lanes
 from worker.plays import Registry
@@ -145,3 +148,36 @@ def worker_process(url: str, log: Path, *args: str, **env: str) -> subprocess.Po
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+@contextlib.asynccontextmanager
+async def login_users(url: str, roles: Sequence[str]) -> AsyncIterator[dict[str, str]]:
+    """A login user in each of the group ``roles`` (``wq_worker``, ``wq_admission``,
+    ``wq_reader``), made as a deployment makes them (``CREATE ROLE ... LOGIN IN ROLE``);
+    URLs by role. Dropped when the block ends."""
+    made: dict[str, str] = {}
+    names: list[str] = []
+    params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
+    async with connect(url) as admin:
+        for role in roles:
+            name = f"t_{role}_{uuid.uuid4().hex[:8]}"
+            password = secrets.token_urlsafe(16)
+            await admin.execute(
+                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
+                    sql.Identifier(name), sql.Literal(password), sql.Identifier(role)
+                )
+            )
+            names.append(name)
+            made[role] = make_conninfo(**(params | {"user": name, "password": password}))
+    try:
+        yield made
+    finally:
+        async with connect(url) as admin:
+            for name in names:
+                # Sessions of the role must be gone before it can be dropped.
+                await admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                    (name,),
+                )
+                with contextlib.suppress(psycopg.Error):
+                    await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))

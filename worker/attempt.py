@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -35,6 +35,9 @@ from queues.outcomes import Finish
 from worker import instruments
 from worker.context import RunContext, Suspend
 from worker.plays import Fatal, Play
+
+if TYPE_CHECKING:
+    from worker.sandbox import Launcher
 
 log = structlog.get_logger("worker.attempt")
 
@@ -61,11 +64,13 @@ def budget(c: runs.Claimed) -> outcomes.Budget:
 
 @dataclass(frozen=True, slots=True)
 class SandboxSpec:
-    """Where a sandboxed attempt runs: its app, the gateway, its attempt's tokens."""
+    """Where a sandboxed attempt runs: its app, the gateway (a Unix socket), its attempt's
+    tokens, and the worker's sandbox launcher."""
 
     app: str
     gateway_url: str
     tokens: AttemptTokens
+    launcher: Launcher
 
 
 async def run(
@@ -119,6 +124,8 @@ async def _run(
             gateway_url=sandbox_spec.gateway_url,
             tokens=sandbox_spec.tokens,
             stop_reason=stop_reason,
+            launcher=sandbox_spec.launcher,
+            resources=play.resources,
         )
         if stop_reason() == "timeout" and not isinstance(ended, tuple) and ended is not None:
             # Stopped at the run's timeout: its cleanup hooks ran in the sandbox (as for a

@@ -14,12 +14,20 @@
   12 characters), then ``dev``.
 - admission-only mode: ``WORKER_ADMISSION_ONLY`` or ``VERCEL`` set to a non-empty value
   other than ``0``/``false``: submit issues nothing but the atomic transaction.
+- secrets (:data:`SECRET_VARIABLES`: the database URLs and ``WORKER_TOKEN_SECRET``): each
+  may be given as ``NAME_FILE``, the path of a file that holds the value (the container
+  convention). A service (``worker start``, ``recover``, ``gateway``) that finds one in
+  its environment re-executes itself without them (:func:`hand_off_secrets`), so the
+  environment of the running process (``/proc/PID/environ``) holds no password and no
+  secret; the values live in this module's memory (:func:`environment`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import sys
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -162,7 +170,7 @@ def pool_mode(env: Mapping[str, str] | None = None) -> PoolMode:
 
 def listen_url(env: Mapping[str, str] | None = None) -> str | None:
     """``WORKER_LISTEN_URL``: where a worker LISTENs (a direct or session-mode URL)."""
-    env = os.environ if env is None else env
+    env = environment(env)
     value = env.get(LISTEN_URL_VARIABLE, "").strip()
     return validate_url(value, source=LISTEN_URL_VARIABLE) if value else None
 
@@ -191,7 +199,7 @@ def configured_url(
     env: Mapping[str, str] | None = None, purpose: Purpose = Purpose.WORKER
 ) -> tuple[str, str] | None:
     """The configured URL for ``purpose`` and the variable it came from, or None."""
-    env = os.environ if env is None else env
+    env = environment(env)
     for name in (*PURPOSE_VARIABLES[purpose], *URL_VARIABLES):
         if env.get(name):
             return env[name], name
@@ -236,7 +244,7 @@ def resolve_url(
     The one place every command that needs a database gets it from: in production a
     missing URL is an error, never a silently started empty database.
     """
-    env = os.environ if env is None else env
+    env = environment(env)
     if explicit:
         return validate_url(explicit, source="--database-url")
     configured = configured_url(env, purpose)
@@ -270,7 +278,7 @@ def token_secret(
     """The secret attempt tokens are signed and verified with: ``WORKER_TOKEN_SECRET`` (the
     same for every worker and gateway of a deployment), or, on the embedded database, one
     derived from its secret (kept with mode 0600)."""
-    env = os.environ if env is None else env
+    env = environment(env)
     value = env.get(TOKEN_SECRET_VARIABLE)
     if value:
         return check_secret(value)
@@ -288,15 +296,19 @@ def token_secret(
 
 
 def scrub_worker_urls(env: dict[str, str] | None = None) -> list[str]:
-    """Remove the worker's own database URLs (and its token secret) from its environment
-    once it has read them, so its plays (and their subprocesses) do not inherit the
-    credentials. DATABASE_URL is left alone: by convention it may be the app's own database
-    too."""
+    """Remove the worker's own database URLs and its token secret (``WORKER_*DATABASE_URL``,
+    ``WORKER_LISTEN_URL``, ``WORKER_TOKEN_SECRET``) from ``os.environ`` once it has read
+    them, so the subprocesses of its in-process plays do not inherit them; the names
+    removed. DATABASE_URL is left alone: by convention it may be the app's own database.
+
+    This changes what children inherit, not ``/proc/PID/environ`` of this process (the
+    environment it was started with): that is :func:`hand_off_secrets`'s job."""
     target: Any = os.environ if env is None else env
     names = sorted(
         {
             "WORKER_DATABASE_URL",
             LISTEN_URL_VARIABLE,
+            TOKEN_SECRET_VARIABLE,
             *(n for v in PURPOSE_VARIABLES.values() for n in v),
         }
     )
@@ -304,9 +316,122 @@ def scrub_worker_urls(env: dict[str, str] | None = None) -> list[str]:
     return removed
 
 
+# ---- secrets: NAME_FILE, and no secret in a service's environment -----------------------
+
+# The variables that hold a password or a secret (a password inside a URL counts).
+SECRET_VARIABLES = (
+    *URL_VARIABLES,
+    *(n for v in PURPOSE_VARIABLES.values() for n in v),
+    LISTEN_URL_VARIABLE,
+    TOKEN_SECRET_VARIABLE,
+)
+FILE_SUFFIX = "_FILE"
+HANDOFF_VARIABLE = "WORKER_SECRETS_FD"  # the re-executed process's pipe of secrets
+HANDOFF_MAX_BYTES = 60_000  # under a pipe's buffer: written whole before the exec
+_handed: dict[str, str] = {}  # the secrets a re-exec handed over
+_files: set[str] = set()  # the NAME_FILE paths read (a sandbox never sees them)
+
+
+def _receive() -> None:
+    """Take the secrets a re-exec handed over (once: the pipe is read and closed)."""
+    fd = os.environ.pop(HANDOFF_VARIABLE, None)
+    if fd is not None and fd.isdigit():
+        chunks = []
+        try:
+            while chunk := os.read(int(fd), 65536):
+                chunks.append(chunk)
+            os.close(int(fd))
+        except OSError:
+            chunks = []
+        if chunks:
+            handed = json.loads(b"".join(chunks))
+            _handed.update({k: str(v) for k, v in handed.items() if k in SECRET_VARIABLES})
+
+
+def _from_files() -> dict[str, str]:
+    """The secrets given as NAME_FILE: each file's content, stripped."""
+    found = {}
+    for name in SECRET_VARIABLES:
+        path = os.environ.get(name + FILE_SUFFIX)
+        if not path:
+            continue
+        if os.environ.get(name):
+            raise InvalidField(
+                f"both {name} and {name}{FILE_SUFFIX} are set",
+                field=name + FILE_SUFFIX,
+                rule="one of them: the value, or the path of a file that holds it",
+                fix=f"unset {name} (keep the secret in the file)",
+            )
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as exc:
+            raise InvalidField(
+                f"cannot read {name}{FILE_SUFFIX} ({path}): {exc.strerror}",
+                field=name + FILE_SUFFIX,
+                rule="the path of a readable file that holds the value",
+                fix=f"correct {name}{FILE_SUFFIX}, or make the file readable by this user",
+            ) from None
+        if not value:
+            raise InvalidField(
+                f"{name}{FILE_SUFFIX} ({path}) is empty",
+                field=name + FILE_SUFFIX,
+                rule="a file that holds the value",
+                fix=f"write the value of {name} into {path}",
+            )
+        found[name] = value
+        _files.add(path)
+    return found
+
+
+def environment(env: Mapping[str, str] | None = None) -> Mapping[str, str]:
+    """``env``, or this process's environment with the secrets it holds in memory (from
+    ``NAME_FILE`` files, or handed over by :func:`hand_off_secrets`) over it."""
+    if env is not None:
+        return env
+    _receive()
+    held = {**_handed, **_from_files()}
+    return {**os.environ, **held} if held else os.environ
+
+
+def credential_files() -> list[str]:
+    """The ``NAME_FILE`` paths this process read its secrets from."""
+    return sorted(_files)
+
+
+def hand_off_secrets() -> None:
+    """For a service, before it reads anything else: when a secret variable is in this
+    process's environment, re-execute it (the same pid, argv and interpreter) without
+    them, their values passed through an inherited pipe that the new process reads and
+    closes at once (:func:`environment`). ``/proc/PID/environ`` shows the environment a
+    process was started with, whatever it removes from ``os.environ`` later: only a new
+    exec empties it. Returns only when there was nothing to hand off."""
+    _receive()
+    _from_files()  # a NAME_FILE that cannot be read is refused before the exec
+    present = {name: os.environ[name] for name in SECRET_VARIABLES if os.environ.get(name)}
+    if not present:
+        return
+    payload = json.dumps(present).encode()
+    if len(payload) > HANDOFF_MAX_BYTES:
+        raise InvalidField(
+            f"the secret variables hold {len(payload)} bytes",
+            field=", ".join(sorted(present)),
+            rule=f"at most {HANDOFF_MAX_BYTES} bytes in all",
+            fix="shorten them",
+        )
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    read, write = os.pipe()
+    os.write(write, payload)
+    os.close(write)
+    os.set_inheritable(read, True)
+    env[HANDOFF_VARIABLE] = str(read)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+
+
 def uses_embedded(explicit: str | None, env: Mapping[str, str] | None = None) -> bool:
     """Whether this process's database is the embedded server (no URL anywhere)."""
-    env = os.environ if env is None else env
+    env = environment(env)
     names = {name for variables in PURPOSE_VARIABLES.values() for name in variables}
     return not explicit and not any(env.get(name) for name in (*names, *URL_VARIABLES))
 

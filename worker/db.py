@@ -32,6 +32,7 @@ from psycopg.rows import TupleRow
 
 from queues import migrations
 from queues.errors import ProcrastinateTooOld, SchemaContractMismatch
+from worker import embedded
 from worker.config import PoolMode, pool_mode, unreachable
 
 log = structlog.get_logger("worker.db")
@@ -87,7 +88,12 @@ async def connect(
             url, autocommit=autocommit, **connect_kwargs(url, mode=mode, application=application)
         )
     except psycopg.OperationalError as exc:
-        raise unreachable(url, exc) from exc
+        # An embedded role whose password a session of it changed: said at once, with
+        # the fix (the superuser looks; only on a refused login of such a role).
+        changed = None
+        if embedded.made_here(url):
+            changed = await asyncio.to_thread(embedded.login_refused, url, exc)
+        raise (changed or unreachable(url, exc)) from exc
 
 
 @contextlib.asynccontextmanager

@@ -12,6 +12,12 @@ to the password on its next start, while it still trusts (:func:`_require_passwo
 secret travels only inside URLs; it is never logged, and Postgres never sees it in clear text
 (SCRAM, and ``ALTER ROLE`` with a verifier computed here).
 
+As root, nothing here follows a path inside a directory the ``postgres`` user owns (the
+data directory, the log directory): files are made in the home, which must be root's, and
+renamed into place; files read there are opened without following a link
+(:mod:`worker.files`). ``embedded.lock`` is root's alone (mode 0600), so no other user can
+hold it and block a start or a stop.
+
 A live server is never killed. ``postmaster.pid`` is a claim, ``/proc`` the evidence
 (:mod:`worker.postmaster`): a pid file that is unreadable, empty or truncated while its
 postmaster runs is rewritten from what that server proves about itself, and only orphans of a
@@ -21,6 +27,7 @@ dead postmaster are ever signalled.
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import fcntl
 import hashlib
@@ -51,7 +58,7 @@ import structlog
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from queues.errors import EmbeddedPostgresError
+from queues.errors import DatabaseUnreachable, EmbeddedPostgresError
 from worker import files, postmaster
 from worker.postmaster import PidFile, read_pidfile
 
@@ -60,6 +67,7 @@ log = structlog.get_logger(__name__)
 DBNAME = "worker"
 SUPERUSER = "postgres"
 SECRET_FILE = "secret"
+LOCK_FILE = "embedded.lock"
 AUTH = "scram-sha-256"
 CACHE_ROOT = Path("/var/tmp/worker-pg")
 _MAX_START_ATTEMPTS = 6
@@ -100,7 +108,9 @@ class EmbeddedServer:
         if role is None:
             return _dsn(self.port, dbname, self.password)
         password = quote(role_password(self.password, role), safe="")
-        return f"postgresql://{quote(role, safe='')}:{password}@127.0.0.1:{self.port}/{dbname}"
+        url = f"postgresql://{quote(role, safe='')}:{password}@127.0.0.1:{self.port}/{dbname}"
+        _ISSUED[url] = (self.home, self.port, role)
+        return url
 
     def derived_secret(self, purpose: str) -> bytes:
         """A secret for ``purpose`` (e.g. signing attempt tokens), derived from the server's
@@ -121,6 +131,76 @@ class EmbeddedServer:
                         sql.Identifier(role), sql.Literal(verifier.decode())
                     )
                 )
+
+
+# The role URLs this process made: a login refused on one of them is explained
+# (:func:`login_refused`) by the server that made it.
+_ISSUED: dict[str, tuple[Path, int, str]] = {}
+
+
+def made_here(url: str) -> bool:
+    """Whether ``url`` is a role URL this process made for an embedded server."""
+    return url in _ISSUED
+
+
+def login_refused(url: str, exc: BaseException) -> DatabaseUnreachable | None:
+    """Why a login role of the embedded server was refused, when the reason is that its
+    password no longer matches the one derived from the secret; None otherwise.
+
+    Postgres lets every role change its own password (``ALTER ROLE ... PASSWORD``, no
+    grant can forbid it), and one that does locks out every process of that role. The
+    client only hears "password authentication failed", as for a role that cannot log in
+    yet; so the superuser looks: a role that can log in and whose stored SCRAM verifier
+    does not match the derived password had it changed."""
+    issued = _ISSUED.get(url)
+    if issued is None or "password authentication failed" not in str(exc):
+        return None
+    home, port, role = issued
+    try:
+        secret = _read_secret(home)
+        if secret is None:
+            return None
+        with _connect(port, "postgres", secret, timeout=3) as conn:
+            row = conn.execute(
+                "SELECT rolcanlogin, rolpassword FROM pg_authid WHERE rolname = %s", (role,)
+            ).fetchone()
+    except (psycopg.Error, EmbeddedPostgresError, OSError):
+        return None
+    if row is None or not row[0] or not row[1]:
+        return None  # not made or not allowed to log in yet: `worker migrate` says so
+    if scram_matches(str(row[1]), role_password(secret, role)):
+        return None
+    return DatabaseUnreachable(
+        f"the embedded role {role} cannot log in: its password no longer matches the one "
+        f"derived from {home / SECRET_FILE}; a session of {role} changed it (ALTER ROLE ... "
+        "PASSWORD, which Postgres allows every role for itself), and every process of that "
+        "role is locked out",
+        field="role",
+        rule=f"{role}'s password is the one derived from {home / SECRET_FILE}",
+        fix="run `worker migrate` (it sets the embedded roles' passwords again from the "
+        "secret), then find what changed it",
+        code="EMBEDDED_ROLE_PASSWORD_CHANGED",
+    )
+
+
+def scram_matches(verifier: str, password: str) -> bool:
+    """Whether a stored ``SCRAM-SHA-256$<iterations>:<salt>$<StoredKey>:<ServerKey>``
+    verifier is of ``password`` (RFC 5802: StoredKey = H(HMAC(SaltedPassword,
+    "Client Key"))). The derived passwords are ASCII, which SASLprep leaves as it is."""
+    try:
+        method, iterations_salt, keys = verifier.split("$")
+        iterations, salt = iterations_salt.split(":")
+        stored = keys.split(":")[0]
+        salted = hashlib.pbkdf2_hmac(
+            "sha256", password.encode(), base64.b64decode(salt), int(iterations)
+        )
+        client_key = hmac.new(salted, b"Client Key", hashlib.sha256).digest()
+        expected = base64.b64decode(stored)
+    except (ValueError, binascii.Error):
+        return False
+    return method == "SCRAM-SHA-256" and hmac.compare_digest(
+        hashlib.sha256(client_key).digest(), expected
+    )
 
 
 def _derive(secret: str, purpose: str) -> bytes:
@@ -371,9 +451,17 @@ def _initdb(cluster: _Cluster, secret: str) -> None:
         raise EmbeddedPostgresError(
             f"initdb failed for {cluster.datadir}:\n{_tail(out)}", code="EMBEDDED_START_FAILED"
         )
-    with open(tmp / "postgresql.conf", "a", encoding="utf-8") as conf:
-        conf.write(_CONF)
-    _write_server_file(tmp / "pg_hba.conf", _HBA, cluster.pw)
+    # initdb ran as the server's user, which owns tmp: its postgresql.conf is read without
+    # following a link and rewritten (never appended to in place) with our settings.
+    conf = tmp / "postgresql.conf"
+    made = files.read_regular(conf, owner=cluster.pw.pw_uid if cluster.pw else os.geteuid())
+    if made is None:
+        raise EmbeddedPostgresError(
+            f"initdb made no plain postgresql.conf in {tmp}; remove {tmp} and retry",
+            code="EMBEDDED_START_FAILED",
+        )
+    _write_server_file(conf, made + _CONF, cluster.pw, cluster.home)
+    _write_server_file(tmp / "pg_hba.conf", _HBA, cluster.pw, cluster.home)
     os.rename(tmp, cluster.datadir)
     log.info("embedded_postgres_initialized", datadir=str(cluster.datadir), auth=AUTH)
 
@@ -427,7 +515,7 @@ def _start_server(cluster: _Cluster, secret: str, port: int | None) -> tuple[int
         if port is None or _bindable(port) is None:
             old, port = port, _bindable(0) or 0
             log.info("embedded_postgres_port_chosen", old_port=old, port=port)
-        offset = logfile.stat().st_size if logfile.exists() else 0
+        offset = files.size_of(logfile)
         wait = cluster.remaining()
         options = ["-D", str(datadir), "-l", str(logfile), "-o", f"-p {port}"]
         rc, out = cluster.run("pg_ctl", "start", "-w", "-t", str(int(wait)), *options, timeout=wait)
@@ -478,7 +566,7 @@ def _repair_pidfile(
         text = postmaster.pidfile_text(
             pid=pid, datadir=datadir, started=started, port=port, shm=postmaster.shm_segment(pid)
         )
-        _write_server_file(datadir / "postmaster.pid", text, pw)
+        _write_server_file(datadir / "postmaster.pid", text, pw, datadir.parent)
         log.warning("embedded_postgres_pidfile_repaired", pid=pid, port=port, datadir=str(datadir))
         return pid, port
     return None
@@ -609,10 +697,7 @@ def _secret_missing(home: Path) -> EmbeddedPostgresError:
 
 
 def _hba_secure(datadir: Path) -> bool:
-    try:
-        return (datadir / "pg_hba.conf").read_text(encoding="utf-8") == _HBA
-    except (OSError, UnicodeDecodeError):
-        return False
+    return files.read_regular(datadir / "pg_hba.conf") == _HBA
 
 
 def _require_password(cluster: _Cluster, port: int, secret: str, *, role_done: bool) -> None:
@@ -638,7 +723,7 @@ def _require_password(cluster: _Cluster, port: int, secret: str, *, role_done: b
                 sql.SQL("ALTER SYSTEM SET password_encryption = {}").format(sql.Literal(AUTH))
             )
         if rewrite:
-            _write_server_file(datadir / "pg_hba.conf", _HBA, cluster.pw)
+            _write_server_file(datadir / "pg_hba.conf", _HBA, cluster.pw, cluster.home)
         rules = conn.execute(
             "SELECT count(*) FILTER (WHERE error IS NOT NULL OR auth_method <> %s), count(*)"
             " FROM pg_hba_file_rules",
@@ -657,14 +742,15 @@ def _require_password(cluster: _Cluster, port: int, secret: str, *, role_done: b
 def _wait_password_required(cluster: _Cluster, port: int) -> None:
     """Poll until the server refuses a connection that brings no password (a reload is
     asynchronous). ``password=''`` keeps PGPASSWORD out, and the password file named is a path
-    that cannot exist (under a regular file), so none is read and libpq prints nothing."""
+    that cannot exist (under the secret, a regular file in our own home), so none is read and
+    libpq prints nothing."""
     anonymous = make_conninfo(
         host="127.0.0.1",
         port=port,
         user=SUPERUSER,
         dbname="postgres",
         password="",
-        passfile=str(cluster.datadir / "PG_VERSION" / "none"),
+        passfile=str(cluster.home / SECRET_FILE / "none"),
         connect_timeout=2,
     )
     end = min(cluster.deadline, time.monotonic() + 10)
@@ -707,21 +793,11 @@ def _raise_if_refused(exc: psycopg.Error, port: int) -> None:
         ) from None
 
 
-def _write_server_file(path: Path, text: str, pw: pwd.struct_passwd | None) -> None:
-    """Replace ``path`` in the data directory atomically with a 0600 file of the server user."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            if pw is not None:
-                os.fchown(fh.fileno(), pw.pw_uid, pw.pw_gid)
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+def _write_server_file(path: Path, text: str, pw: pwd.struct_passwd | None, home: Path) -> None:
+    """Replace ``path`` in the data directory atomically with a 0600 file of the server user,
+    made in ``home`` (ours) and renamed into place: the server's user owns the data
+    directory, and nothing there is opened or given an owner by name."""
+    files.place(path, text, staging=home, owner=pw, mode=0o600)
 
 
 # --- binaries, users, home ---------------------------------------------------------------------
@@ -902,23 +978,89 @@ def _user_can_reach(path: Path, pw: pwd.struct_passwd) -> bool:
 
 @contextlib.contextmanager
 def _locked(home: Path, deadline: float) -> Iterator[None]:
-    fd = os.open(home / "embedded.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold ``embedded.lock`` (starts and stops take turns). The lock file is ours and
+    private, so no other user can open it, and so none can hold its lock."""
+    _check_home(home)
+    path = home / LOCK_FILE
+    fd = _open_lock(path)
     try:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise EmbeddedPostgresError(
-                        f"Timed out waiting for {home / 'embedded.lock'} held by another process "
+                        f"Timed out waiting for {path} held by another process "
                         "starting or stopping the embedded Postgres; retry, or find that process.",
                         code="EMBEDDED_START_FAILED",
                     ) from None
                 time.sleep(0.05)
+                continue
+            if _same_file(path, fd):
+                break
+            os.close(fd)  # replaced while we waited (an unsafe one, below): lock the new one
+            fd = _open_lock(path)
         yield
     finally:
         os.close(fd)
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, ours and mode 0600. One that is not (an older version made it 0644:
+    anyone could open it and hold its lock for ever) is replaced by a new private file; a
+    lock held on the old one guards nothing any more."""
+    for _ in range(10):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        info = os.fstat(fd)
+        private = not stat.S_IMODE(info.st_mode) & 0o077
+        if info.st_uid == os.geteuid() and private and stat.S_ISREG(info.st_mode):
+            return fd
+        os.close(fd)
+        files.replace_atomically(path, "", mode=0o600)
+        log.warning(
+            "embedded_lock_replaced",
+            path=str(path),
+            owner_uid=info.st_uid,
+            mode=f"{stat.S_IMODE(info.st_mode):04o}",
+        )
+    raise EmbeddedPostgresError(
+        f"{path} keeps being replaced by a file that is not private; find who does it",
+        code="EMBEDDED_HOME_UNSAFE",
+    )
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _check_home(home: Path) -> None:
+    """As root, the home must be root's and writable by nobody else: every file root makes
+    there (the lock, the secret, temporary files) must be out of other users' reach."""
+    if os.geteuid() != 0:
+        return
+    try:
+        info = os.stat(home)
+    except FileNotFoundError:
+        return  # nothing there to protect yet; whatever needs it fails on its own
+    problem = ""
+    if info.st_uid != 0:
+        problem = f"is owned by uid {info.st_uid}, not root"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"may be written by others (mode {stat.S_IMODE(info.st_mode):04o})"
+    if problem:
+        raise EmbeddedPostgresError(
+            f"The embedded Postgres home {home} {problem}: as root, every file made there "
+            f"must be out of other users' reach. Fix: chown root {home} && chmod go-w {home}, "
+            "or set WORKER_HOME to a directory only root may write (e.g. /var/lib/worker), "
+            + _FIX_EXTERNAL
+            + ".",
+            code="EMBEDDED_HOME_UNSAFE",
+        )
 
 
 def _read_meta(home: Path) -> dict[str, object]:
@@ -939,9 +1081,10 @@ def _meta_int(meta: dict[str, object], key: str) -> int | None:
 
 
 def _data_major(datadir: Path) -> int | None:
+    text = files.read_regular(datadir / "PG_VERSION", limit=64)
     try:
-        return int((datadir / "PG_VERSION").read_text().strip().split(".")[0])
-    except (OSError, ValueError):
+        return int(text.strip().split(".")[0]) if text is not None else None
+    except ValueError:
         return None
 
 
@@ -978,12 +1121,10 @@ def _bindable(port: int) -> int | None:
 
 
 def _read_from(logfile: Path, offset: int) -> str:
-    try:
-        with open(logfile, "rb") as fh:
-            fh.seek(offset)
-            return fh.read().decode(errors="replace")
-    except OSError:
-        return ""
+    """The server log from ``offset`` (its last MiB at most): in the server user's log
+    directory, so read without following a link, and only a regular file."""
+    start = max(offset, files.size_of(logfile) - files.MAX_READ)
+    return files.read_regular(logfile, offset=start) or ""
 
 
 def _tail(text: str, lines: int = 25) -> str:

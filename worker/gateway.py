@@ -9,15 +9,25 @@ run scope (403), the attempt and its live lease (409), then dispatches to the sa
 functions the in-process path calls (:func:`queues.operations.dispatch`). Answers are
 ``{"result": ...}`` or ``{"error": {"code", "message", "field", "rule", "fix", ...}}``.
 
-``worker gateway`` serves it on its own; a worker with sandboxed plays serves it in-process
-on a loopback port of its own.
+``worker gateway`` serves it on its own (on a TCP port, or on a Unix socket with
+``--socket``); a worker with sandboxed plays serves it in-process on a Unix socket of its
+own, in a private directory, which each sandbox gets bound in (a sandbox has no network:
+the socket is its only way out, :mod:`worker.sandbox`).
+
+Either way the server's limits hold (:mod:`worker.serving`): a body above
+``WORKER_GATEWAY_MAX_BODY_BYTES`` (default :data:`queues.operations.MAX_BODY_BYTES`, the
+largest legal step result in its envelope) is answered 413; a body that is not JSON, nests
+too deep or carries a field of the wrong type 400; a client that does not send its whole
+request in time is disconnected.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import os
+import shutil
+import tempfile
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -32,8 +42,20 @@ from starlette.routing import Route
 
 from queues import authority, operations
 from queues.errors import InvalidField, WorkerError, translate
+from worker import serving
+from worker.contract import gateway_socket
 
 log = structlog.get_logger("worker.gateway")
+
+BODY_VARIABLE = "WORKER_GATEWAY_MAX_BODY_BYTES"
+
+
+def default_limits() -> serving.Limits:
+    """The gateway's server limits (:mod:`worker.serving`): its body's default is the
+    largest legal request, :data:`queues.operations.MAX_BODY_BYTES`."""
+    return serving.Limits.from_env(
+        max_body_bytes=operations.MAX_BODY_BYTES, body_variable=BODY_VARIABLE
+    )
 
 
 def _bearer(header: str | None) -> str | None:
@@ -59,15 +81,7 @@ def make_app(
     async def runtime(request: Request) -> JSONResponse:
         try:
             claims = authority.verify(_bearer(request.headers.get("authorization")), secret=secret)
-            try:
-                body = json.loads(await request.body())
-            except ValueError as exc:
-                raise InvalidField(
-                    f"the request body is not JSON: {exc}",
-                    field="body",
-                    rule="a JSON object",
-                    fix="send a JSON body",
-                ) from exc
+            body = operations.decode(await request.body())
             async with pool.connection() as conn:
                 result = await operations.dispatch(
                     conn, body, claims, served=served, check_lease=True
@@ -88,6 +102,12 @@ def make_app(
             return JSONResponse(
                 {"error": {"code": "DATABASE_UNREACHABLE", "message": "no database"}},
                 status_code=503,
+            )
+        except Exception:  # a bug: logged with its traceback, answered in the error format
+            log.exception("runtime_failed")
+            return JSONResponse(
+                {"error": {"code": "INTERNAL_ERROR", "message": "the gateway failed"}},
+                status_code=500,
             )
         return JSONResponse({"result": result})
 
@@ -110,18 +130,61 @@ class _Server(uvicorn.Server):
         yield
 
 
-class Served:
-    """A gateway served on an asyncio loop (``await start()``; ``await stop()``)."""
+UNIX = "unix:"  # a gateway URL naming a Unix socket: unix:/path/to/gateway.sock
 
-    def __init__(self, app: Starlette, *, host: str = "127.0.0.1", port: int = 0) -> None:
+
+def socket_path(url: str) -> str | None:
+    """The Unix socket of a gateway URL (``unix:/path`` or ``unix:///path``), or None for
+    an HTTP one."""
+    path = gateway_socket(url)
+    if path is None:
+        return None
+    if not os.path.isabs(path):
+        raise InvalidField(
+            f"the gateway socket {path!r} is not an absolute path",
+            field="--gateway-url",
+            rule="unix:/absolute/path/to/gateway.sock",
+            fix="name the socket `worker gateway --socket PATH` serves by its absolute path",
+        )
+    return path
+
+
+class Served:
+    """A gateway served on an asyncio loop (``await start()``; ``await stop()``), on a TCP
+    port, or on a Unix socket (``uds``; :meth:`private` makes one in a directory of its
+    own that only this process's user may enter)."""
+
+    def __init__(
+        self,
+        app: Starlette,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        uds: str | None = None,
+        limits: serving.Limits | None = None,
+    ) -> None:
+        self.limits = limits or default_limits()
         self.server = _Server(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+            serving.config(app, limits=self.limits, host=host, port=port, uds=uds)
         )
         self.task: asyncio.Task[None] | None = None
         self.host = host
+        self.uds = uds
+        self.private_dir: str | None = None
+
+    @classmethod
+    def private(cls, app: Starlette) -> Served:
+        """Served on a socket in a fresh directory of mode 0700 (the socket itself is 0666:
+        the directory decides who may reach it; a sandbox gets it bound in)."""
+        directory = tempfile.mkdtemp(prefix="wq-gateway-")
+        served = cls(app, uds=os.path.join(directory, "gateway.sock"))
+        served.private_dir = directory
+        return served
 
     @property
     def url(self) -> str:
+        if self.uds is not None:
+            return f"{UNIX}{self.uds}"
         socket = self.server.servers[0].sockets[0]
         port = socket.getsockname()[1]
         return f"http://{self.host}:{port}"
@@ -140,3 +203,8 @@ class Served:
         if self.task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self.task, 10)
+        if self.uds is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.uds)
+        if self.private_dir is not None:
+            shutil.rmtree(self.private_dir, ignore_errors=True)

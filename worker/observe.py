@@ -21,7 +21,7 @@ import psycopg
 from queues import ledger, runs
 from queues.errors import ExitCode
 from worker import db
-from worker.output import EXIT_BY_STATE, to_json
+from worker.output import EXIT_BY_STATE, printable, to_json
 from worker.progress import RowProgress
 
 POLL_S = 2.0  # the fallback poll; WORKER_OBSERVE_POLL_S overrides it
@@ -104,7 +104,8 @@ async def follow(
                         json.dumps(event.data, sort_keys=True, default=str) if event.data else ""
                     )
                     attempt = event.attempt or "-"
-                    say(f"{event.at.isoformat()} {event.kind:<18} attempt={attempt} {detail}")
+                    kind = printable(event.kind)
+                    say(f"{event.at.isoformat()} {kind:<18} attempt={attempt} {detail}")
                 counts = await ledger.progress_counts(listener, run)
                 if counts != last_counts and counts[1] > 0:
                     last_counts = counts

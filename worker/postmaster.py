@@ -20,6 +20,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker import files
+
 _TITLE = b"postgres:"  # how every child of a postmaster renames itself
 _TCP_LISTEN = "0A"
 _LOOPBACK_HEX = "0100007F"  # 127.0.0.1 as /proc/net/tcp prints it (little-endian)
@@ -40,11 +42,12 @@ class Proc:
 
 
 def read_pidfile(datadir: Path) -> PidFile | None:
-    """The parsed ``postmaster.pid``; None when it is missing or unreadable."""
-    try:
-        lines = (datadir / "postmaster.pid").read_text(errors="replace").splitlines()
-    except OSError:
+    """The parsed ``postmaster.pid``; None when it is missing or unreadable, or not a regular
+    file (read without following a link: the server's user owns the directory)."""
+    text = files.read_regular(datadir / "postmaster.pid", limit=4096)
+    if text is None:
         return None
+    lines = text.splitlines()
     pid = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
     port = int(lines[3]) if len(lines) > 3 and lines[3].strip().isdigit() else None
     return PidFile(pid, port, lines[7].strip() if len(lines) > 7 else "")

@@ -17,7 +17,9 @@ Loops here own the when; :mod:`worker.attempt` owns what one attempt's end means
 Its connections are bounded (:mod:`worker.connections`: a pool, one LISTEN session, the
 heartbeat, the projector and the maintenance worker; ``max_connections`` caps the sum).
 The one LISTEN session hears the lanes' jobs and cancels (not the ledger's events: the
-projector inside a worker polls, :mod:`worker.projector`); it goes to ``listen_url`` when
+projector inside a worker polls, :mod:`worker.projector`); a cancel message only names a
+run to look at, and its durable request, read from the database, decides
+(:meth:`Worker._control`). It goes to ``listen_url`` when
 one is given, since behind a transaction-mode pooler
 (``pool_mode``) a LISTEN needs a direct or session-mode connection. Behind such a pooler
 with no listen URL the worker polls: an idle worker picks up a new run within
@@ -45,11 +47,11 @@ import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from queues import authority, lanes, migrations, outcomes, runs, transport
+from queues import authority, lanes, migrations, outcomes, runs, server, transport
 from queues import recovery as passes
 from queues.errors import DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
-from worker import attempt, connections, db, files, gateway, projector, recovery, scheduler
+from worker import attempt, connections, db, files, gateway, projector, recovery, sandbox, scheduler
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import LocalTransport
@@ -83,6 +85,7 @@ class Settings:
     token_secret: bytes | None = None  # signs sandboxed attempts' tokens (sandboxed plays)
     gateway_url: str | None = None  # the gateway sandboxes call (None: serve one in-process)
     token_ttl_s: float = 6 * 3600.0
+    sandbox_hidden: tuple[Path, ...] = ()  # more paths a sandbox must not see (its --home)
     # The connection budget and the pooler (worker.connections, worker.db): a cap on this
     # process's connections (None: the pool is concurrency + 3); where it LISTENs (None:
     # on url, unless url is a transaction pooler, then it polls every poll_s).
@@ -199,6 +202,7 @@ class Worker:
         self.heartbeat: Heartbeat | None = None
         self.gateway: Served | None = None
         self.gateway_url: str | None = settings.gateway_url
+        self.sandboxes: sandbox.Launcher | None = None  # with sandboxed plays
         self.mode = settings.pool_mode or pool_mode()
         # One LISTEN session: the listen URL, else the database URL when it is a session.
         self.listen_url = settings.listen_url or (settings.url if db.listens(self.mode) else None)
@@ -216,6 +220,8 @@ class Worker:
             "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
             "claims_on_wake": 0,  # of the claims, those the LISTEN loop made (_claim_woken)
             "ahead_expired": 0,  # runs claimed ahead for short plays, handed back unstarted
+            "row_invalid": 0,  # claimed runs failed before starting: a row no worker can use
+            "control_checks": 0,  # reads of the durable cancel requests control messages named
         }
         self.targeted = False  # a wake for this worker alone came since its last claim
         self._claim_lock = asyncio.Lock()  # one claim at a time (_claim)
@@ -223,6 +229,8 @@ class Worker:
         self._poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
         self._plays: list[str] = []  # the registry's plays, as the claim loop began
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
+        self._to_check: set[uuid.UUID] = set()  # runs control messages named, to look up
+        self._checking: asyncio.Task[None] | None = None  # the lookup under way (_check_cancels)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -277,8 +285,8 @@ class Worker:
         )
 
     async def _start_gateway(self) -> None:
-        """Sandboxed plays reach the runtime through a gateway: serve one on loopback unless
-        one is configured."""
+        """Sandboxed plays reach the runtime through a gateway: serve one on a private Unix
+        socket unless one is configured; probe (and log) the sandbox mechanism."""
         sandboxed = self.s.registry.sandboxed()
         if not sandboxed:
             return
@@ -291,17 +299,31 @@ class Worker:
                 "and an app given as module:attribute",
                 fix="set WORKER_TOKEN_SECRET and start the worker with --app",
             )
+        if self.gateway_url is not None and gateway.socket_path(self.gateway_url) is None:
+            raise WorkerError(
+                f"the gateway {self.gateway_url} is not a Unix socket, and a sandbox has no "
+                "network",
+                field="--gateway-url",
+                rule="unix:/path/to/gateway.sock",
+                fix="serve `worker gateway --socket PATH` and pass --gateway-url unix:PATH, "
+                "or drop --gateway-url to serve one in this worker",
+            )
         if self.gateway_url is None:
             assert self.pool is not None
-            self.gateway = Served(gateway.make_app(self.pool, secret=self.s.token_secret))
+            app = gateway.make_app(self.pool, secret=self.s.token_secret)
+            self.gateway = Served.private(app)
             self.gateway_url = await self.gateway.start()
             log.info("gateway_serving", url=self.gateway_url, sandboxed=sandboxed)
+        self.sandboxes = sandbox.Launcher(self.s.registry.spec, hidden=self.s.sandbox_hidden)
+        await self.sandboxes.probe()
 
     async def _startup(self) -> None:
-        """Verify the contract, prepare the lanes (before reporting ready), register."""
+        """Refuse an unsupported Postgres, verify the contract, prepare the lanes (before
+        reporting ready), register."""
         async with db.session(
             self.s.url, mode=self.mode, application=f"wq-start {self.s.worker_id}"
         ) as conn:
+            await server.require_supported(conn)
             await migrations.verify_contract(conn)
             # The worker owns preparation: its lane is prepared before it reports ready.
             # Preparing never reopens a closed lane: the worker serves it all the same.
@@ -386,6 +408,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._passing, return_exceptions=True)  # wakes being passed on
+        if self._checking is not None:
+            await asyncio.gather(self._checking, return_exceptions=True)
         assert self.pool is not None
         with contextlib.suppress(psycopg.Error, PoolTimeout):
             async with self.pool.connection() as conn:
@@ -548,12 +572,56 @@ class Worker:
                     await asyncio.wait_for(self.stopping.wait(), 5.0)
 
     def _control(self, payload: str) -> None:
+        """A control message names a run to look at, never an order: anyone who can connect
+        can NOTIFY any channel. A run of ours it names is looked up (:meth:`_check_cancels`);
+        only a durable cancel request stops it. (Missed or not, the next heartbeat reports
+        the request too.)"""
         run_id = transport.cancel_request(payload)
         if run_id is None:
             return
         live = self.live.get(run_id)
-        if live is not None and live.stop_reason is None:
-            self._stop_run(live, "cancel")
+        if live is None or live.stop_reason is not None or live.finishing:
+            return
+        self._to_check.add(run_id)
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.create_task(self._check_cancels(), name="control")
+
+    async def _check_cancels(self) -> None:
+        """Read the durable cancel requests of the runs control messages named, in one
+        statement per round (messages that come meanwhile wait for the next round, so a
+        flood of them costs one small read at a time), and stop the attempts whose run has
+        one."""
+        assert self.pool is not None
+        while self._to_check and not self.stopping.is_set():
+            named, self._to_check = self._to_check, set()
+            leases = [
+                (run_id, live.claimed.attempt)
+                for run_id in named
+                if (live := self.live.get(run_id)) is not None
+                and live.claimed.attempt is not None
+            ]
+            try:
+                async with self.pool.connection() as conn:
+                    requested = await runs.cancel_requested(
+                        conn, worker_id=self.s.worker_id, leases=leases
+                    )
+            except TRANSIENT as exc:
+                log.warning("cancel_check_failed", error=repr(exc)[:300])
+                return  # the heartbeat reports a real request all the same
+            self.stats["control_checks"] += 1
+            for run_id, attempt_no in leases:
+                live = self.live.get(run_id)
+                if live is None or live.claimed.attempt != attempt_no:
+                    continue
+                if (run_id, attempt_no) in requested:
+                    if live.stop_reason is None:
+                        self._stop_run(live, "cancel")
+                else:
+                    log.warning(
+                        "control_message_ignored",
+                        run_id=str(run_id),
+                        reason="its run has no cancel request",
+                    )
 
     def _stop_run(self, live: _Live, reason: str) -> None:
         if live.finishing:
@@ -760,6 +828,10 @@ class Worker:
 
     def _start(self, c: runs.Claimed) -> None:
         assert self.pool is not None and self.heartbeat is not None
+        problem = runs.unusable(c)
+        if problem is not None:
+            self._fail_unusable(c, problem)
+            return
         assert c.attempt is not None and c.org and c.play and c.lane and c.release
         assert c.created_at is not None
         info = RunInfo(
@@ -797,6 +869,23 @@ class Worker:
         # must not stop the hooks it runs.
         self.live[c.run_id] = _Live(c, ctx, task, stop_reason="cancel" if c.cleanup else None)
         self._arm_timeout(self.live[c.run_id])
+
+    def _fail_unusable(self, c: runs.Claimed, problem: str) -> None:
+        """A claimed run whose row this worker cannot use (:func:`queues.runs.unusable`):
+        its play never runs; the run fails with ``RUN_ROW_INVALID`` through the fenced final
+        write (its lease renewed until it lands), and the worker goes on."""
+        assert self.heartbeat is not None and c.attempt is not None
+        log.error("run_row_invalid", run_id=str(c.run_id), attempt=c.attempt, problem=problem)
+        self.stats["row_invalid"] += 1
+        heartbeat = self.heartbeat
+
+        def written(future: asyncio.Future[FinishStatus]) -> None:
+            heartbeat.untrack(c.run_id)
+            _retrieved(future)
+
+        self._queue_finish(outcomes.row_invalid(c.run_id, c.attempt, problem)).add_done_callback(
+            written
+        )
 
     def _arm_timeout(self, live: _Live) -> None:
         """Stop the attempt at its run's timeout (queues.options), measured from the claim's
@@ -916,14 +1005,21 @@ class Worker:
         """A sandboxed attempt's two tokens, minted from its run's authority."""
         assert c.attempt is not None and self.s.token_secret is not None
         assert self.gateway_url is not None and self.s.registry.spec is not None
+        assert self.sandboxes is not None
+        play = self.s.registry.get(c.play or "")
         tokens = authority.mint_attempt(
             c.descriptor,
             attempt=c.attempt,
             owner=self.s.worker_id,
             secret=self.s.token_secret,
             ttl_s=self.s.token_ttl_s,
+            # Least authority: only the plays and rate-limit keys the play declared.
+            may_spawn=play.may_spawn if play is not None else (),
+            may_limit=play.limits if play is not None else (),
         )
-        return attempt.SandboxSpec(self.s.registry.spec, self.gateway_url, tokens)
+        return attempt.SandboxSpec(
+            self.s.registry.spec, self.gateway_url, tokens, self.sandboxes
+        )
 
     async def _write(self, c: runs.Claimed, final: Finish, event: str | None) -> FinishStatus:
         """Make the final write: a suspension on an event under the event's lock (handing

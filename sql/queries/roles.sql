@@ -71,6 +71,9 @@ BEGIN
                                                      text, integer, jsonb, jsonb[], bigint,
                                                      text, jsonb)
         TO wq_admission, wq_worker;
+    -- The wake of a cancel's worker (migration 0036): a worker acts only on the run's
+    -- durable request, which only the worker role and the owner can write.
+    GRANT EXECUTE ON FUNCTION wq_transport_notify_cancel(uuid) TO wq_worker;
 END
 $$;
 

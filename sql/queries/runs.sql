@@ -217,6 +217,19 @@ UPDATE wq_runs r
    AND r.id IN (SELECT id FROM locked)
 RETURNING r.id AS run_id, r.attempt, r.lease_expires_at, r.cancel_requested_at IS NOT NULL AS cancel;
 
+-- name: run_cancel_requested :many
+-- Which of this worker's live attempts have a durable cancel request on their run (written
+-- by run_cancel, which only the worker role and the owner can run). A control message only
+-- names a run to look at: anyone who can connect can NOTIFY, so this read is what a worker
+-- acts on. Reads only; the runs by their primary key.
+SELECT r.id AS run_id, r.attempt
+  FROM wq_runs r
+  JOIN unnest(%(run_ids)s::uuid[], %(attempts)s::int[]) AS i(run_id, attempt)
+    ON r.id = i.run_id AND r.attempt = i.attempt
+ WHERE r.state = 'running'
+   AND r.lease_owner = %(worker)s
+   AND r.cancel_requested_at IS NOT NULL;
+
 -- name: run_finish_batch :many
 -- Write the outcome of finished attempts, fenced: only where the run still carries the
 -- attempt number, is running and holds this worker's lease (checked under the run's row

@@ -6,6 +6,7 @@ the runtime gateway with the attempt's tokens.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -56,3 +57,14 @@ async def sandboxed_sheet(ctx: RunContext, params: dict[str, Any]) -> dict[str, 
 @registry.play("sandboxed-fails", sandboxed=True)
 async def sandboxed_fails(ctx: RunContext, params: dict[str, Any]) -> None:
     raise RuntimeError(f"sandboxed failure on attempt {ctx.attempt}")
+
+
+async def _note_cancel(ctx: RunContext) -> None:
+    await ctx.log_event("cleanup_ran", {"attempt": ctx.attempt})
+
+
+@registry.play("sandboxed-waits", sandboxed=True, on_cancel=_note_cancel)
+async def sandboxed_waits(ctx: RunContext, params: dict[str, Any]) -> None:
+    """Says it started, then waits until it is stopped (a cancel, a hand-back)."""
+    await ctx.log_event("waiting", {"attempt": ctx.attempt})
+    await asyncio.sleep(3600)

@@ -12,7 +12,7 @@ from worker.plays import Registry
 registry = Registry()
 
 
-@registry.play("sandboxed-parent", sandboxed=True)
+@registry.play("sandboxed-parent", sandboxed=True, may_spawn=["plain-child"], limits=["sbx"])
 async def sandboxed_parent(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     async with ctx.limit("sbx") as permit:
         granted = permit.at.isoformat()

@@ -119,7 +119,7 @@ async def test_dispatch_admits_and_completes_through_named_actions(conn: Conn) -
 
 async def test_refusals_in_order_and_nothing_written(conn: Conn) -> None:
     claims = await claims_of(conn)
-    with pytest.raises(CapabilityScope, match=r"Unsupported runtime action capability scope\."):
+    with pytest.raises(OperationRefused, match="Unsupported action: runtime_sheet_strat"):
         await operations.dispatch(conn, {"action": "runtime_sheet_strat", "input": {}}, claims)
     receipts_only = authority.Claims(
         **{f: getattr(claims, f) for f in claims.__slots__ if f != "capabilities"},

@@ -208,3 +208,26 @@ async def test_totals_never_go_down_when_retention_deletes(conn: Conn) -> None:
     assert after.rows_completed == before.rows_completed
     assert after.refusals == mid.refusals and after.refused_rows == mid.refused_rows
     assert mid.refused_rows["rows"] >= 7
+
+
+async def test_every_cancel_request_of_a_running_run_is_recorded_with_who_asked(
+    conn: Conn,
+) -> None:
+    a = await attempts.start(conn)
+    first = await operator.cancel(conn, a.run_id, actor="cli:alice", reason="wrong list")
+    again = await operator.cancel(conn, a.run_id, actor="dashboard:bob")
+    assert (first.changed, first.notified) == (True, True)
+    assert (again.changed, again.notified) == (False, True)  # it wakes the worker again
+    cur = await conn.execute(
+        "SELECT actor, action, data FROM wq_operator_actions WHERE run_id = %s ORDER BY id",
+        (a.run_id,),
+    )
+    assert await cur.fetchall() == [
+        ("cli:alice", "cancel", {"before": "running", "after": "running", "force": False}),
+        (
+            "dashboard:bob",
+            "cancel",
+            {"before": "running", "after": "running", "force": False, "repeated": True},
+        ),
+    ]
+

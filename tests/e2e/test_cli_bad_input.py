@@ -123,7 +123,7 @@ CASES = [
     Case(
         "params-too-large",
         ("submit", "noop", "--params-file", "{dir}/big.json"),
-        "FIELD_INVALID",
+        "PAYLOAD_TOO_LARGE",
         files={"big.json": json.dumps({"a": "x" * 300_000})},
     ),
     Case("payload-nan", ("emit", "paid", "--payload", "NaN"), "FIELD_INVALID"),

@@ -247,7 +247,21 @@ async def test_unknown_actions_and_other_runs_are_refused(gw: Gateway) -> None:
     a = await live(gw.db_url)
     token = tokens_of(a).executor
     unknown = await gw.post({"action": "runtime_sheet_strat", "input": {}}, token)
-    assert unknown.status_code == 403  # not in the contract at all: no capability to hold
+    # Not served (nobody defined it): 400 with the stable message, as the README says.
+    assert unknown.status_code == 400, unknown.text
+    assert error_of(unknown)["message"] == "Unsupported action: runtime_sheet_strat"
+    assert error_of(unknown)["code"] == "UNSUPPORTED_ACTION"
+    # The ledger token may call nothing but its four actions: the policy refuses first.
+    refused = await gw.post(
+        {
+            "action": "runtime_sheet_strat",
+            "input": {},
+            "idempotencyKey": "k",
+            "deliveryLeaseOwner": "w1",
+        },
+        tokens_of(a).ledger,
+    )
+    assert refused.status_code == 403, refused.text
     other = start_body(["a"])
     other["input"]["runId"] = str(uuid.uuid4())
     scoped = await gw.post(other, token)
@@ -326,9 +340,7 @@ async def test_a_sandboxed_play_completes_a_sheet_run_with_no_credentials(db_url
     assert result["credentials_seen"] == []
     assert set(result["environment"]) <= {
         *sandbox.INHERITED,
-        "WORKER_GATEWAY_URL",
-        "WORKER_RUN_TOKEN",
-        "WORKER_LEDGER_TOKEN",
+        sandbox.SOCKET_VARIABLE,
     }
     outputs = await fetch(
         db_url,

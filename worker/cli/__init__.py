@@ -22,6 +22,7 @@ from queues.errors import ExitCode, WorkerError, connection_lost, translate
 from worker import logs
 from worker.cli import admin, lanes, ledger, ops, processes, runs, scheduling, tokens
 from worker.cli.common import State, report
+from worker.output import printable
 
 # Services: they log at INFO unless told otherwise; every other command logs warnings only.
 SERVICES = frozenset({"start", "recover", "gateway", "dashboard"})
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("interrupted", err=True)
         sys.exit(ExitCode.INTERRUPTED)
     except click.ClickException as exc:
-        click.echo(f"error[USAGE_INVALID]: {exc.format_message()}", err=True)
+        click.echo(f"error[USAGE_INVALID]: {printable(exc.format_message(), lines=True)}", err=True)
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             click.echo(f"See `{exc.ctx.command_path} --help`.", err=True)
         sys.exit(ExitCode.BAD_INPUT)
@@ -129,18 +130,19 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(mapped.exit_code)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
-        click.echo(f"error[DATABASE_ERROR]: {first}{state}", err=True)
+        click.echo(f"error[DATABASE_ERROR]: {printable(first)}{state}", err=True)
         sys.exit(
             ExitCode.DATABASE_UNREACHABLE if connection_lost(exc) else ExitCode.FAILED
         )
     except OSError as exc:
-        click.echo(f"error[OS_ERROR]: {exc.strerror or exc} ({type(exc).__name__})", err=True)
+        shown = printable(exc.strerror or exc)
+        click.echo(f"error[OS_ERROR]: {shown} ({type(exc).__name__})", err=True)
         sys.exit(ExitCode.FAILED)
     except Exception as exc:
         # A bug: say so in one line, and show the traceback only when asked to.
         click.echo(
-            f"error[INTERNAL_ERROR]: {type(exc).__name__}: {exc} Fix: this is a bug; rerun "
-            "with WORKER_DEBUG=1 for the traceback and report it",
+            f"error[INTERNAL_ERROR]: {type(exc).__name__}: {printable(exc)} Fix: this is a "
+            "bug; rerun with WORKER_DEBUG=1 for the traceback and report it",
             err=True,
         )
         if os.environ.get("WORKER_DEBUG"):

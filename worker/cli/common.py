@@ -17,7 +17,7 @@ import psycopg
 from queues import fields, roles
 from queues.errors import InvalidField, WorkerError
 from worker import config, db, embedded
-from worker.output import EXIT_BY_STATE, exit_code_of, iso, to_json
+from worker.output import EXIT_BY_STATE, exit_code_of, iso, printable, to_json
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -146,7 +146,8 @@ def actor() -> str:
 
 
 def report(exc: WorkerError) -> None:
-    click.echo(f"error[{exc.code}]: {exc.render()}", err=True)
+    """An error on stderr: its message may quote what a user or a play wrote."""
+    click.echo(f"error[{printable(exc.code)}]: {printable(exc.render(), lines=True)}", err=True)
 
 
 __all__ = [
@@ -162,6 +163,7 @@ __all__ = [
     "json_option",
     "parse_run_id",
     "pass_state",
+    "printable",
     "release_option",
     "report",
     "run",

@@ -8,7 +8,7 @@ import structlog
 from queues import lanes, migrations, operator, recovery
 from worker import config
 from worker.cli.common import Conn, State, actor, connected, emit_json, json_option, pass_state
-from worker.output import iso
+from worker.output import iso, printable
 
 log = structlog.get_logger("worker.cli")
 
@@ -53,7 +53,7 @@ def queues_list(state: State, as_json: bool) -> None:
                     else ""
                 )
                 click.echo(
-                    f"{s.name:<24} {s.state:<10} unfinished={s.unfinished:<6} "
+                    f"{printable(s.name):<24} {s.state:<10} unfinished={s.unfinished:<6} "
                     f"live_workers={s.live_workers}{stale}"
                 )
         return 0

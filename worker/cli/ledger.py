@@ -24,6 +24,7 @@ from worker.cli.common import (
     run,
     to_json,
 )
+from worker.output import printable
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -33,7 +34,8 @@ def _line(event: runs.Event, as_json: bool) -> str:
         return to_json(ledger.event_json(event))
     data = json.dumps(event.data, default=str, sort_keys=True) if event.data else ""
     attempt = event.attempt if event.attempt is not None else "-"
-    return f"{event.seq:>5}  {event.at.isoformat()}  {event.kind:<18} attempt={attempt}  {data}"
+    kind = printable(event.kind)
+    return f"{event.seq:>5}  {event.at.isoformat()}  {kind:<18} attempt={attempt}  {data}"
 
 
 async def print_events(
@@ -123,12 +125,13 @@ def sinks_list(state: State, as_json: bool) -> None:
         for s in found:
             shown = s.as_dict()
             click.echo(
-                f"{s.name:<24} {s.kind:<8} {'enabled' if s.enabled else 'disabled':<8} "
+                f"{printable(s.name):<24} {s.kind:<8} "
+                f"{'enabled' if s.enabled else 'disabled':<8} "
                 f"pending={s.pending} failing={s.failing} "
-                f"oldest_pending={s.oldest_pending_s:.0f}s {shown['url'] or ''}".rstrip()
+                f"oldest_pending={s.oldest_pending_s:.0f}s {printable(shown['url'] or '')}".rstrip()
             )
-            if s.last_error:
-                click.echo(f"  last error: {s.last_error}")
+            if s.last_error:  # what an endpoint answered: not ours to print raw
+                click.echo(f"  last error: {printable(s.last_error)}")
         return 0
 
     _on_worker_connection(state, go)

@@ -1,7 +1,9 @@
 """The long-running processes: the worker, the recovery loop and the runtime gateway.
 
 These log at INFO by default (they are services); every other command is quiet unless
-``-v`` is given."""
+``-v`` is given. Each first hands its secrets off (:func:`worker.config.hand_off_secrets`):
+started with a database URL or the token secret in its environment, it re-executes
+itself without them, so its ``/proc/PID/environ`` holds no password and no secret."""
 
 from __future__ import annotations
 
@@ -143,8 +145,9 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     "--gateway-url",
     default=None,
     metavar="URL",
-    help="The runtime gateway sandboxed plays call (default: one served by this worker "
-    "on a loopback port).",
+    help="The runtime gateway sandboxed plays call, a Unix socket: unix:/path/to/socket "
+    "(`worker gateway --socket PATH`; a sandbox has no network). Default: one served by "
+    "this worker on a private socket.",
 )
 @click.option(
     "--max-connections",
@@ -192,6 +195,7 @@ def start(
     metrics_host: str,
 ) -> None:
     """Verify the schema, prepare the lane, report ready, then execute runs."""
+    config.hand_off_secrets()
     rel = lanes.validate_release(
         config.default_release() if release is None else release, field="--release"
     )
@@ -227,6 +231,7 @@ def start(
         pool_mode=mode,
         prefetch=prefetch,
         claim_ahead_under_s=claim_ahead_under,
+        sandbox_hidden=(state.home,) if state.home is not None else (),
     )
     # The worker has its URL: its plays inherit no database credentials from it.
     config.scrub_worker_urls()
@@ -316,6 +321,7 @@ def recover_command(
     metrics_host: str,
 ) -> None:
     """Rescue lapsed leases and orphaned runs, clean up, report stranded lanes."""
+    config.hand_off_secrets()
     if once and every is not None:
         raise InvalidField(
             "--once and --every both given",
@@ -382,6 +388,14 @@ def recover_command(
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8085, show_default=True)
 @click.option(
+    "--socket",
+    "socket_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Serve on this Unix socket instead of a TCP port (what sandboxes reach: pass "
+    "`worker start --gateway-url unix:PATH`).",
+)
+@click.option(
     "--without-action",
     "without",
     multiple=True,
@@ -389,8 +403,11 @@ def recover_command(
     help="Do not serve ACTION (repeatable): pins an older receiver during a rollout.",
 )
 @pass_state
-def gateway_command(state: State, host: str, port: int, without: tuple[str, ...]) -> None:
+def gateway_command(
+    state: State, host: str, port: int, socket_path: Path | None, without: tuple[str, ...]
+) -> None:
     """Serve the runtime gateway: POST /runtime with an attempt token (sandboxed plays)."""
+    config.hand_off_secrets()
     unknown = sorted(set(without) - operations.SERVED_ACTIONS)
     if unknown:
         raise InvalidField(
@@ -418,7 +435,10 @@ def gateway_command(state: State, host: str, port: int, without: tuple[str, ...]
             async with db.session(url) as conn:
                 await migrations.verify_contract(conn)
             served_app = gateway.Served(
-                gateway.make_app(pool, secret=secret, served=served), host=host, port=port
+                gateway.make_app(pool, secret=secret, served=served),
+                host=host,
+                port=port,
+                uds=str(socket_path.absolute()) if socket_path is not None else None,
             )
             at = await served_app.start()
             log.info("gateway_ready", url=at, actions=len(served))

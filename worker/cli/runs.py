@@ -14,7 +14,7 @@ import click
 
 from queues import admission, children, fields, inputs, lanes, migrations, operator, outcomes, runs
 from queues import options as run_options
-from queues.errors import ExitCode, InputError, InvalidField
+from queues.errors import ExitCode, InputError, InvalidField, PayloadTooLarge
 from queues.options import RunOptions
 from worker import config, observe, plays
 from worker.cli.common import (
@@ -32,6 +32,7 @@ from worker.cli.common import (
     release_option,
     run,
 )
+from worker.output import printable
 
 # ---- submit -----------------------------------------------------------------------------------
 
@@ -85,7 +86,7 @@ def _read_small_file(path: Path, field: str, limit: int) -> bytes:
             fix="check the path and its permissions",
         ) from exc
     if len(raw) > limit:
-        raise InvalidField(
+        raise PayloadTooLarge(  # as the API and the database answer a value over its size
             f"{path} is larger than {limit} bytes",
             field=field,
             rule=f"at most {limit} bytes",
@@ -432,7 +433,7 @@ def submit(
                 emit_json(data)
             else:
                 verb = "admitted" if admitted.created else "already admitted"
-                click.echo(f"{verb} run {admitted.run_id} on lane {admitted.lane}")
+                click.echo(f"{verb} run {admitted.run_id} on lane {printable(admitted.lane)}")
             return 0
         return await _wait_result(
             state.url_for(config.Purpose.READ), admitted.run_id, wait_timeout, as_json
@@ -610,8 +611,8 @@ def runs_list(
         else:
             for r in found:
                 click.echo(
-                    f"{r.id}  {r.state:<9}  {r.play:<16} {r.lane:<16} attempt={r.attempt}"
-                    f"  rows={r.rows_done}/{r.rows_total}  {iso(r.created_at)}"
+                    f"{r.id}  {r.state:<9}  {printable(r.play):<16} {printable(r.lane):<16} "
+                    f"attempt={r.attempt}  rows={r.rows_done}/{r.rows_total}  {iso(r.created_at)}"
                 )
         return 0
 
@@ -666,9 +667,9 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
             return 0
         click.echo(f"run {run_.id}  {run_.state}")
         for label, value in (
-            ("play", run_.play),
-            ("org", run_.org),
-            ("lane", run_.lane),
+            ("play", printable(run_.play)),
+            ("org", printable(run_.org)),
+            ("lane", printable(run_.lane)),
             ("attempt", run_.attempt),
             ("rows", f"{run_.rows_done}/{run_.rows_total}"),
             ("created", iso(run_.created_at)),
@@ -676,7 +677,7 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
         ):
             click.echo(f"  {label + ':':<9} {value}")
         for label, value in _option_lines(own):
-            click.echo(f"  {label + ':':<9} {value}")
+            click.echo(f"  {label + ':':<9} {printable(value)}")
         if run_.result is not None:
             click.echo(f"  {'result:':<9} {json.dumps(run_.result, sort_keys=True)}")
         if run_.error is not None:
@@ -687,19 +688,23 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
         if kids:
             click.echo("children:")
             for k in kids:
-                click.echo(f"  {k.id}  {k.state:<9}  {k.play:<16} {iso(k.created_at)}")
+                click.echo(f"  {k.id}  {k.state:<9}  {printable(k.play):<16} {iso(k.created_at)}")
         click.echo("attempts:")
         for a in tries:
             ended = iso(a.finished_at) or "-"
-            error = f"  {a.error.get('type')}: {a.error.get('message')}" if a.error else ""
+            error = (
+                f"  {printable(a.error.get('type'))}: {printable(a.error.get('message'))}"
+                if a.error
+                else ""
+            )
             click.echo(
-                f"  {a.attempt:>3}  {a.outcome or 'running':<12} {a.worker_id}  "
+                f"  {a.attempt:>3}  {a.outcome or 'running':<12} {printable(a.worker_id)}  "
                 f"{iso(a.started_at)} -> {ended}{error}"
             )
         click.echo("events:")
         for e in ledger:
             data = json.dumps(e.data, sort_keys=True, default=str) if e.data else ""
-            click.echo(f"  {e.seq:>5}  {iso(e.at)}  {e.kind:<18} {data}")
+            click.echo(f"  {e.seq:>5}  {iso(e.at)}  {printable(e.kind):<18} {data}")
         return 0
 
     connected(state, go, config.Purpose.READ)
@@ -740,7 +745,10 @@ def traceback_lines(error: Any, *, title: str = "traceback") -> list[str]:
     stack = error.get("traceback") if isinstance(error, dict) else None
     if not isinstance(stack, str) or not stack:
         return []
-    return [f"{title}:", *("  " + line for line in stack.rstrip("\n").splitlines())]
+    # Split on newlines only (splitlines also splits on other separators, which printable
+    # escapes), each line made safe to print: a play wrote the exception's message.
+    lines = stack.rstrip("\n").split("\n")
+    return [f"{title}:", *("  " + printable(line, lines=True) for line in lines)]
 
 
 def without_traceback(error: Any) -> Any:

@@ -18,6 +18,7 @@ from worker.cli.common import (
     iso,
     json_option,
     pass_state,
+    printable,
 )
 
 # ---- worker limits ------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def limits_list(state: State, as_json: bool) -> None:
         else:
             for limit in found:
                 click.echo(
-                    f"{limit.key:<24} {_describe(limit):<40} holding={limit.holding}  "
+                    f"{printable(limit.key):<24} {_describe(limit):<40} holding={limit.holding}  "
                     f"updated {iso(limit.updated_at)}"
                 )
         return 0
@@ -175,7 +176,8 @@ def schedules_list(state: State, as_json: bool) -> None:
             for s in found:
                 last = f"last {iso(s.last_tick)} run {s.last_run_id}" if s.last_tick else "never"
                 click.echo(
-                    f"{s.name:<24} {s.play:<16} {s.timing!s:<20} {s.source:<3}  "
+                    f"{printable(s.name):<24} {printable(s.play):<16} {s.timing!s:<20} "
+                    f"{s.source:<3}  "
                     f"next {iso(s.next_at)}  {last}"
                 )
         return 0

@@ -13,10 +13,15 @@ from typing import Any
 from psycopg_pool import AsyncConnectionPool
 
 from queues import migrations
-from worker import db
+from worker import db, serving
 from worker.dashboard import auth
-from worker.dashboard.app import Dashboard, make_app
+from worker.dashboard.app import MAX_FORM_BYTES, Dashboard, make_app
 from worker.gateway import Served
+
+
+def limits() -> serving.Limits:
+    """The dashboard's server limits (:mod:`worker.serving`): a body is a form."""
+    return serving.Limits.from_env(max_body_bytes=MAX_FORM_BYTES)
 
 
 @dataclass
@@ -55,7 +60,7 @@ async def start(
     await pool.open(wait=True, timeout=30)
     try:
         dash = Dashboard(reader=pool, worker_url=worker_url, sessions=auth.Sessions(secret))
-        served = Served(make_app(dash), host=host, port=port)
+        served = Served(make_app(dash), host=host, port=port, limits=limits())
         url = await served.start()
     except BaseException:
         await pool.close()

@@ -157,10 +157,12 @@ class Dashboard:
         reader: AsyncConnectionPool[Any],
         worker_url: str,
         sessions: auth.Sessions,
+        throttle: auth.LoginThrottle | None = None,
     ) -> None:
         self.reader = reader
         self.worker_url = worker_url
         self.sessions = sessions
+        self.throttle = throttle or auth.LoginThrottle()
         self.templates = make_templates()
 
     @contextlib.asynccontextmanager
@@ -294,19 +296,23 @@ def make_app(dash: Dashboard) -> Starlette:
                 "missing or wrong login token: reload the page", status_code=403
             )
         target = auth.safe_next(form.get("next"))
+        client = request.client.host if request.client else "unknown"
+        wait_s = dash.throttle.take(client)
+        if wait_s is not None:
+            log.warning("dashboard_login_throttled", client=client, retry_after_s=wait_s)
+            return PlainTextResponse(
+                "too many login attempts: wait and try again",
+                status_code=429,
+                headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+            )
         name = auth.check_name(form.get("name", ""))
         if name is None or not dash.sessions.secret_matches(form.get("secret", "")):
             await asyncio.sleep(FAILED_LOGIN_DELAY_S)  # slows guessing
-            log.warning(
-                "dashboard_login_failed",
-                name=(form.get("name") or "")[:64],
-                client=request.client.host if request.client else None,
-            )
+            log.warning("dashboard_login_failed", name=(form.get("name") or "")[:64], client=client)
             return _back("/login", next=target, failed="1")
+        dash.throttle.give_back(client)  # only wrong logins use up the buckets
         cookie, _session = dash.sessions.issue(name)
-        log.info(
-            "dashboard_login", user=name, client=request.client.host if request.client else None
-        )
+        log.info("dashboard_login", user=name, client=client)
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(
             auth.SESSION_COOKIE,
@@ -320,6 +326,8 @@ def make_app(dash: Dashboard) -> Starlette:
         return response
 
     async def logout(request: Request, form: Form, session: auth.Session) -> Response:
+        dash.sessions.revoke(session)  # the cookie is refused from now on, wherever it is
+        log.info("dashboard_logout", user=session.user)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(auth.SESSION_COOKIE)
         return response

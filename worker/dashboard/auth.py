@@ -9,7 +9,13 @@
   ``dashboard:<name>``) and the secret; the session is a signed, expiring token (JWT,
   HS256, with PyJWT, as attempt tokens are) in an ``HttpOnly``, ``SameSite=Strict``
   cookie (``Secure`` behind https), signed with a key derived from the secret: changing
-  the secret logs everybody out.
+  the secret logs everybody out. The token names a session the server keeps (its id, in
+  this process's memory): a token whose session the server does not hold is refused,
+  however well signed, so logging out ends it at once, and so does a restart of the
+  dashboard (several dashboards behind one address need sticky sessions).
+- **Login throttling** (:class:`LoginThrottle`): each login attempt takes a token from its
+  client's bucket and from one bucket for all clients; an empty bucket answers 429 with
+  ``Retry-After``. A login that succeeds gives its token back, so only wrong ones count.
 - **Cross-site requests**: every POST must come from the dashboard's own origin (its
   ``Origin``, else its ``Referer``, names this host) and carry the session's CSRF token
   (a random value in the session, echoed by each form). The login form, which has no
@@ -30,7 +36,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -47,6 +53,14 @@ MIN_SECRET = 16
 SESSION_COOKIE = "wq_session"
 LOGIN_COOKIE = "wq_login"
 SESSION_TTL_S = 12 * 3600
+MAX_SESSIONS = 10_000  # sessions held at once; past it the oldest ends
+# Login attempts: a client may make LOGIN_BURST at once, then one per LOGIN_REFILL_S; all
+# clients together LOGIN_BURST_ALL, then one per LOGIN_REFILL_ALL_S.
+LOGIN_BURST = 5
+LOGIN_REFILL_S = 12.0
+LOGIN_BURST_ALL = 30
+LOGIN_REFILL_ALL_S = 1.0
+MAX_TRACKED_CLIENTS = 10_000
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$")
 
 
@@ -130,6 +144,7 @@ class Session:
     user: str
     csrf: str
     expires_at: float
+    id: str = ""  # the server's name for it (revoked by logout)
 
     @property
     def actor(self) -> str:
@@ -137,12 +152,17 @@ class Session:
 
 
 class Sessions:
-    """Signs and reads session cookies with a key derived from the login secret."""
+    """Signs and reads session cookies with a key derived from the login secret, and holds
+    the sessions that are live: a cookie counts only while its session is held."""
 
-    def __init__(self, secret: str, *, ttl_s: float = SESSION_TTL_S) -> None:
+    def __init__(
+        self, secret: str, *, ttl_s: float = SESSION_TTL_S, max_live: int = MAX_SESSIONS
+    ) -> None:
         self._digest = hashlib.sha256(secret.encode()).digest()
         self._key = hmac.new(self._digest, b"wq-dashboard-session", hashlib.sha256).digest()
         self.ttl_s = ttl_s
+        self.max_live = max_live
+        self._live: dict[str, float] = {}  # session id -> expires at (epoch s), oldest first
 
     def secret_matches(self, given: str) -> bool:
         """Constant-time comparison of a login attempt with the secret."""
@@ -150,27 +170,123 @@ class Sessions:
 
     def issue(self, user: str, *, now: float | None = None) -> tuple[str, Session]:
         now = time.time() if now is None else now
-        session = Session(user=user, csrf=secrets.token_urlsafe(32), expires_at=now + self.ttl_s)
+        session = Session(
+            user=user,
+            csrf=secrets.token_urlsafe(32),
+            expires_at=now + self.ttl_s,
+            id=secrets.token_urlsafe(18),
+        )
         token = jwt.encode(
-            {"sub": user, "csrf": session.csrf, "iat": int(now), "exp": int(session.expires_at)},
+            {
+                "sub": user,
+                "sid": session.id,
+                "csrf": session.csrf,
+                "iat": int(now),
+                "exp": int(session.expires_at),
+            },
             self._key,
             algorithm="HS256",
         )
+        self._hold(session, now)
         return token, session
 
-    def read(self, token: str | None) -> Session | None:
+    def _hold(self, session: Session, now: float) -> None:
+        for sid in [sid for sid, ends in self._live.items() if ends <= now]:
+            del self._live[sid]
+        while len(self._live) >= self.max_live:
+            del self._live[next(iter(self._live))]  # the oldest
+        self._live[session.id] = session.expires_at
+
+    def read(self, token: str | None, *, now: float | None = None) -> Session | None:
+        """The session of a cookie: signed with our key, unexpired, and still held."""
         if not token:
             return None
         try:
             claims = jwt.decode(
-                token, self._key, algorithms=["HS256"], options={"require": ["exp", "sub"]}
+                token,
+                self._key,
+                algorithms=["HS256"],
+                options={"require": ["exp", "sub", "sid"]},
             )
         except jwt.PyJWTError:
             return None
-        user, csrf = claims.get("sub"), claims.get("csrf")
-        if not isinstance(user, str) or not isinstance(csrf, str):
+        user, csrf, sid = claims.get("sub"), claims.get("csrf"), claims.get("sid")
+        if not isinstance(user, str) or not isinstance(csrf, str) or not isinstance(sid, str):
             return None
-        return Session(user=user, csrf=csrf, expires_at=float(claims["exp"]))
+        now = time.time() if now is None else now
+        if self._live.get(sid, 0.0) <= now:
+            return None  # logged out, ended by a restart, or evicted
+        return Session(user=user, csrf=csrf, expires_at=float(claims["exp"]), id=sid)
+
+    def revoke(self, session: Session) -> None:
+        """End ``session``: its cookie is refused from now on (logout)."""
+        self._live.pop(session.id, None)
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+
+class LoginThrottle:
+    """Token buckets of login attempts: one per client and one for all clients.
+
+    :meth:`take` takes a token from both (an attempt in flight counts at once, so parallel
+    attempts cannot all pass) or says how long to wait; :meth:`give_back` returns it for a
+    login that succeeded."""
+
+    def __init__(
+        self,
+        *,
+        burst: int = LOGIN_BURST,
+        refill_s: float = LOGIN_REFILL_S,
+        burst_all: int = LOGIN_BURST_ALL,
+        refill_all_s: float = LOGIN_REFILL_ALL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst, self.refill_s = burst, refill_s
+        self.burst_all, self.refill_all_s = burst_all, refill_all_s
+        self.clock = clock
+        self._clients: dict[str, tuple[float, float]] = {}  # client -> (tokens, at)
+        self._all: tuple[float, float] = (float(burst_all), clock())
+
+    @staticmethod
+    def _level(bucket: tuple[float, float], burst: int, refill_s: float, now: float) -> float:
+        tokens, at = bucket
+        return min(float(burst), tokens + (now - at) / refill_s)
+
+    def take(self, client: str) -> float | None:
+        """None when the attempt may go on (a token taken from each bucket), else the
+        seconds until it may."""
+        now = self.clock()
+        mine = self._level(
+            self._clients.get(client, (float(self.burst), now)), self.burst, self.refill_s, now
+        )
+        everyone = self._level(self._all, self.burst_all, self.refill_all_s, now)
+        if mine < 1 or everyone < 1:
+            return max((1 - mine) * self.refill_s, (1 - everyone) * self.refill_all_s, 0.0)
+        self._forget_full(now)
+        self._clients[client] = (mine - 1, now)
+        self._all = (everyone - 1, now)
+        return None
+
+    def give_back(self, client: str) -> None:
+        now = self.clock()
+        if client in self._clients:
+            mine = self._level(self._clients[client], self.burst, self.refill_s, now)
+            self._clients[client] = (min(float(self.burst), mine + 1), now)
+        everyone = self._level(self._all, self.burst_all, self.refill_all_s, now)
+        self._all = (min(float(self.burst_all), everyone + 1), now)
+
+    def _forget_full(self, now: float) -> None:
+        """Bounded memory: clients whose bucket is full again are forgotten, and past
+        :data:`MAX_TRACKED_CLIENTS` the oldest are."""
+        if len(self._clients) < MAX_TRACKED_CLIENTS:
+            return
+        for client, bucket in list(self._clients.items()):
+            if self._level(bucket, self.burst, self.refill_s, now) >= self.burst:
+                del self._clients[client]
+        while len(self._clients) >= MAX_TRACKED_CLIENTS:
+            del self._clients[next(iter(self._clients))]
 
 
 def same_origin(request: Request) -> bool:

