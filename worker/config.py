@@ -318,12 +318,15 @@ def scrub_worker_urls(env: dict[str, str] | None = None) -> list[str]:
 
 # ---- secrets: NAME_FILE, and no secret in a service's environment -----------------------
 
+# The dashboard's login secret (worker.dashboard.auth reads it).
+DASHBOARD_SECRET_VARIABLE = "WORKER_DASHBOARD_SECRET"
 # The variables that hold a password or a secret (a password inside a URL counts).
 SECRET_VARIABLES = (
     *URL_VARIABLES,
     *(n for v in PURPOSE_VARIABLES.values() for n in v),
     LISTEN_URL_VARIABLE,
     TOKEN_SECRET_VARIABLE,
+    DASHBOARD_SECRET_VARIABLE,
 )
 FILE_SUFFIX = "_FILE"
 HANDOFF_VARIABLE = "WORKER_SECRETS_FD"  # the re-executed process's pipe of secrets

@@ -142,6 +142,7 @@ def dashboard_command(state: State, host: str, port: int) -> None:
     from worker import dashboard
     from worker.dashboard import auth
 
+    config.hand_off_secrets()  # its login secret and URLs leave its environment
     secret, source = auth.resolve_secret(home=state.home)
     reader_url = state.url_for(config.Purpose.READ)
     worker_url = state.url_for(config.Purpose.WORKER)

@@ -47,7 +47,7 @@ from starlette.requests import Request
 from queues.errors import InvalidField
 from worker import config
 
-SECRET_VARIABLE = "WORKER_DASHBOARD_SECRET"
+SECRET_VARIABLE = config.DASHBOARD_SECRET_VARIABLE
 SECRET_FILE = "dashboard-secret"
 MIN_SECRET = 16
 SESSION_COOKIE = "wq_session"
@@ -68,7 +68,7 @@ def resolve_secret(
     *, home: Path | None = None, env: Mapping[str, str] | None = None
 ) -> tuple[str, str]:
     """The login secret and where it came from (the variable, or the file's path)."""
-    env = os.environ if env is None else env
+    env = config.environment(env)  # the variable, its _FILE, or what a re-exec handed over
     value = env.get(SECRET_VARIABLE, "")
     if value:
         if len(value.strip()) < MIN_SECRET:
