@@ -166,3 +166,21 @@ async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
     finally:
         await connection.rollback()
         await connection.close()
+
+
+# ---- CI: a skip is a failure -----------------------------------------------------------------
+
+# In CI (the CI variable set, as `.ci/run` runs), a test that skips itself, because its
+# mechanism (root, network namespaces, a binary) is missing, fails with its reason: CI
+# must run every test it claims to run. Outside CI a skip stays a skip.
+IN_CI = bool(os.environ.get("CI", "").strip())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, which must run it: {reason}"
