@@ -5,54 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import re
-import secrets
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import httpx
-import psycopg
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from tests.workers import login_users
 from worker import dashboard
 
 SECRET = "correct horse battery staple"
-
-
-def as_user(url: str, user: str, password: str) -> str:
-    params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
-    params.update(user=user, password=password)
-    return make_conninfo(**params)
-
-
-@contextlib.asynccontextmanager
-async def role_logins(db_url: str) -> AsyncIterator[dict[str, str]]:
-    """A login user in each of wq_reader and wq_worker; URLs by role."""
-    made: dict[str, str] = {}
-    names: list[str] = []
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:
-        for role in ("wq_reader", "wq_worker"):
-            name = f"d_{role}_{uuid.uuid4().hex[:8]}"
-            password = secrets.token_urlsafe(16)
-            await admin.execute(
-                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
-                    sql.Identifier(name), sql.Literal(password), sql.Identifier(role)
-                )
-            )
-            names.append(name)
-            made[role] = as_user(db_url, name, password)
-    try:
-        yield made
-    finally:
-        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:
-            for name in names:
-                await admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (name,),
-                )
-                with contextlib.suppress(psycopg.Error):
-                    await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
 
 @dataclass
@@ -65,7 +26,7 @@ class Served:
 @contextlib.asynccontextmanager
 async def serving(db_url: str) -> AsyncIterator[Served]:
     """The dashboard on a free loopback port, reading as wq_reader, acting as wq_worker."""
-    async with role_logins(db_url) as urls:
+    async with login_users(db_url, ("wq_reader", "wq_worker")) as urls:
         running = await dashboard.start(
             reader_url=urls["wq_reader"],
             worker_url=urls["wq_worker"],

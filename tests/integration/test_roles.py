@@ -7,62 +7,29 @@ ROLE wq_worker``), and proves what they can and cannot do with real connections.
 
 from __future__ import annotations
 
-import contextlib
-import secrets
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queues import admission, lanes, recovery, runs
 from queues.errors import InvalidField
 from queues.fence import Fence
 from queues.receipts import Scope
-from tests.workers import eventually, run_state, running_worker
+from tests.workers import eventually, login_users, run_state, running_worker
 from worker.context import RunContext
 from worker.plays import Registry
 
 Conn = psycopg.AsyncConnection[Any]
 
 
-def as_user(url: str, user: str, password: str) -> str:
-    params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
-    params.update(user=user, password=password)
-    return make_conninfo(**params)
-
-
 @pytest.fixture
 async def logins(db_url: str) -> AsyncIterator[dict[str, str]]:
     """A login user in each group role, as a deployment makes them; URLs by role."""
-    made: dict[str, str] = {}
-    names: list[str] = []
-    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:
-        for role in ("wq_worker", "wq_admission", "wq_reader"):
-            name = f"t_{role}_{uuid.uuid4().hex[:8]}"
-            password = secrets.token_urlsafe(16)
-            await admin.execute(
-                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {} IN ROLE {}").format(
-                    sql.Identifier(name), sql.Literal(password), sql.Identifier(role)
-                )
-            )
-            names.append(name)
-            made[role] = as_user(db_url, name, password)
-    try:
+    async with login_users(db_url, ("wq_worker", "wq_admission", "wq_reader")) as made:
         yield made
-    finally:
-        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as admin:
-            for name in names:
-                # Sessions of the role must be gone before it can be dropped.
-                await admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (name,),
-                )
-                with contextlib.suppress(psycopg.Error):
-                    await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
 
 
 async def refused(url: str, statement: str, params: Any = None) -> str:
