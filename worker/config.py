@@ -12,8 +12,9 @@
   ``WORKER_ENV=development`` (or ``test``) allows the embedded database anywhere.
 - release: ``WORKER_RELEASE``, then common deploy-platform commit variables (shortened to
   12 characters), then ``dev``.
-- admission-only mode: ``WORKER_ADMISSION_ONLY`` or ``VERCEL`` set to a non-empty value
-  other than ``0``/``false``: submit issues nothing but the atomic transaction.
+- admission-only mode: ``VERCEL`` set to any non-blank value (as the production check
+  reads it), or ``WORKER_ADMISSION_ONLY`` set to a value other than ``0``/``false``/``no``/
+  ``off``: submit issues nothing but the atomic transaction.
 - secrets (:data:`SECRET_VARIABLES`: the database URLs and ``WORKER_TOKEN_SECRET``): each
   may be given as ``NAME_FILE``, the path of a file that holds the value (the container
   convention). A service (``worker start``, ``recover``, ``gateway``) that finds one in
@@ -72,7 +73,6 @@ EMBEDDED_ROLES: dict[Purpose, str | None] = {
     Purpose.ADMISSION: Role.ADMISSION.value,
     Purpose.READ: Role.READER.value,
 }
-ADMISSION_ONLY_VARIABLES = ("WORKER_ADMISSION_ONLY", "VERCEL")
 RELEASE_VARIABLES = ("WORKER_RELEASE",)
 # Platform commit variables, most specific first. A commit sha is shortened to 12 chars.
 COMMIT_VARIABLES = (
@@ -180,8 +180,12 @@ def _truthy(value: str | None) -> bool:
 
 
 def admission_only(env: Mapping[str, str] | None = None) -> bool:
+    """Whether submits are admission-only. ``VERCEL`` counts as the platform sets it and
+    as the production check reads it (any non-blank value: ``VERCEL=0`` is still Vercel);
+    the project's own ``WORKER_ADMISSION_ONLY`` is a switch (``0``, ``false``, ``no``,
+    ``off`` turn it off)."""
     env = os.environ if env is None else env
-    return any(_truthy(env.get(name)) for name in ADMISSION_ONLY_VARIABLES)
+    return bool(env.get("VERCEL", "").strip()) or _truthy(env.get("WORKER_ADMISSION_ONLY"))
 
 
 def default_release(env: Mapping[str, str] | None = None) -> str:

@@ -160,13 +160,19 @@ def test_default_release_reads_os_environ(monkeypatch: pytest.MonkeyPatch) -> No
         ({"WORKER_ADMISSION_ONLY": "false"}, False),
         ({"WORKER_ADMISSION_ONLY": "FALSE"}, False),
         ({"WORKER_ADMISSION_ONLY": " off "}, False),
-        ({"VERCEL": "0"}, False),
+        # VERCEL is read as the platform sets it and as the production check reads it:
+        # any non-blank value (one rule for one variable).
+        ({"VERCEL": "0"}, True),
+        ({"VERCEL": "false"}, True),
+        ({"VERCEL": "  "}, False),
         ({"VERCEL": ""}, False),
         ({"WORKER_ADMISSION_ONLY": "false", "VERCEL": "1"}, True),
     ],
 )
 def test_admission_only(env: dict[str, str], expected: bool) -> None:
     assert config.admission_only(env) is expected
+    if env.get("VERCEL", "").strip():  # the production check reads VERCEL the same way
+        assert config.production_reason({"VERCEL": env["VERCEL"]}) is not None
 
 
 def test_configured_url_prefers_worker_database_url() -> None:
