@@ -881,9 +881,10 @@ async def migrate(
         ahead = database_procrastinate is not None and (
             procrastinate_key(database_procrastinate) > chain.key
         )
-        if not applied_now and recorded is not None and (ahead or recorded.contract == found):
-            pass  # nothing changed, or a newer release's record: it stays as written
-        else:
+        # Unchanged, or a newer release's record (its procrastinate is ahead): it stays as
+        # that release wrote it.
+        kept = recorded is not None and (ahead or recorded.contract == found)
+        if applied_now or not kept:
             await _record(conn, found)
         # The roles and their grants, kept in step with the schema on every migrate.
         await roles.ensure(conn)
