@@ -475,9 +475,11 @@ swap(
     "lane_prepare.reopen",
     "sql/queries/lanes.sql",
     "lane_prepare",
-    "DO NOTHING -> reopen reclaimed (old bug)",
-    "ON CONFLICT (name) DO NOTHING\n",
-    "ON CONFLICT (name) DO UPDATE\n   SET state = 'prepared', updated_at = now()\n"
+    "keeps the state -> reopen reclaimed (old bug)",
+    "ON CONFLICT (name) DO UPDATE SET schema_version = excluded.schema_version, "
+    "updated_at = now()\n WHERE %(bump)s AND coalesce(l.schema_version, 0) < "
+    "excluded.schema_version\n",
+    "ON CONFLICT (name) DO UPDATE SET state = 'prepared', updated_at = now()\n"
     " WHERE l.state = 'reclaimed'\n",
     (ADMISSION, RECOVERY, LANE_RESUME),
 )
