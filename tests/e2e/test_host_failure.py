@@ -278,7 +278,15 @@ async def test_a_host_cut_off_mid_run(db_url: str, tmp_path: Path) -> None:
                 return row.live_workers == 2 and row.stale_workers == 0
 
             await eventually(rejoined, timeout=30)
-            more = await _submit(db_url, 4 * CONCURRENCY, {"sleep_s": 0.5})
+            # B holds every run it takes until A has finished one: B's slots fill, so the
+            # rest wait for A whatever the two hosts' timing (B alone would otherwise finish
+            # them all before A's next fetch).
+            b_release = tmp_path / "b-release"
+            more = await _submit(
+                db_url,
+                2 * CONCURRENCY,
+                {"sleep_s": 0.5, "hold_on": worker_b, "hold_until": str(b_release)},
+            )
 
             async def a_worked() -> bool:
                 rows = await fetch(
@@ -299,6 +307,7 @@ async def test_a_host_cut_off_mid_run(db_url: str, tmp_path: Path) -> None:
                     (more,),
                 )
                 raise AssertionError(f"{exc}: {states}\n{_tail(tmp_path / 'a.log')}") from None
+            b_release.touch()
             assert procs["a"].poll() is None and procs["b"].poll() is None
             for proc in procs.values():
                 proc.send_signal(signal.SIGTERM)
