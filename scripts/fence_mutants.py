@@ -286,8 +286,8 @@ swap(
     SHEETS_SQL,
     "sheet_complete_rows",
     "r.run_id = %(run_id)s (any writer)",
-    "      AND r.run_id = %(run_id)s  -- only the writer's own rows",
-    "      AND true  -- only the writer's own rows",
+    "          AND r.run_id = %(run_id)s  -- only the writer's own rows",
+    "          AND true  -- only the writer's own rows",
     (SHEETS,),
 )
 

@@ -201,11 +201,14 @@ page AS (
     FROM unnest(%(keys)s::text[], %(results)b::text[]) AS k (step_key, result)
 ),
 settled AS (
-    SELECT step_key
-    FROM wq_receipts
-    WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
-      AND step_key = ANY (%(keys)s::text[])
-      AND status IN ('completed', 'skipped')
+    SELECT r.step_key
+    FROM unnest(%(keys)s::text[]) AS k (step_key)
+    CROSS JOIN LATERAL (
+        SELECT step_key FROM wq_receipts
+        WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
+          AND step_key = k.step_key AND status IN ('completed', 'skipped')
+        OFFSET 0
+    ) AS r
 ),
 written AS (
     INSERT INTO wq_receipts AS r
@@ -259,11 +262,14 @@ LEFT JOIN run ON true
 
 -- name: receipt_lookup_many :many
 -- The recorded results of the completed steps among a page of keys (no locks).
-SELECT step_key, result
-FROM wq_receipts
-WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
-  AND step_key = ANY (%(keys)s::text[])
-  AND status = 'completed'
+SELECT r.step_key, r.result
+FROM unnest(%(keys)s::text[]) AS k (step_key)
+CROSS JOIN LATERAL (
+    SELECT step_key, result FROM wq_receipts
+    WHERE org = %(org)s AND play = %(play)s AND scope = %(scope)s
+      AND step_key = k.step_key AND status = 'completed'
+    OFFSET 0
+) AS r
 
 -- name: receipt_settled :many
 -- The settled (completed or skipped) receipts of one scope, at most limit (no locks):

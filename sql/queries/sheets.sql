@@ -124,8 +124,12 @@ WITH run AS (
     FROM unnest(%(keys)s::text[], %(inputs)b::jsonb[]) AS p (row_key, input)
 ), prior AS (
     SELECT r.row_key, r.run_id
-    FROM wq_sheet_rows r
-    WHERE r.org = %(org)s AND r.sheet = %(sheet)s AND r.row_key = ANY (%(keys)s::text[])
+    FROM unnest(%(keys)s::text[]) AS k (row_key)
+    CROSS JOIN LATERAL (
+        SELECT row_key, run_id FROM wq_sheet_rows
+        WHERE org = %(org)s AND sheet = %(sheet)s AND row_key = k.row_key
+        OFFSET 0
+    ) AS r
 ), written AS (
     INSERT INTO wq_sheet_rows AS r
         (org, sheet, row_key, run_id, write_version, input, attempt)
@@ -172,9 +176,13 @@ SELECT EXISTS (SELECT 1 FROM fence) AS fenced, w.row_key, w.inserted
 
 -- name: sheet_rows_state :many
 -- The latest state of rows this transaction already holds locks on (an admission's leftovers).
-SELECT row_key, status::text AS status, write_version
-FROM wq_sheet_rows
-WHERE org = %(org)s AND sheet = %(sheet)s AND row_key = ANY (%(keys)s::text[]);
+SELECT r.row_key, r.status::text AS status, r.write_version
+FROM unnest(%(keys)s::text[]) AS k (row_key)
+CROSS JOIN LATERAL (
+    SELECT row_key, status, write_version FROM wq_sheet_rows
+    WHERE org = %(org)s AND sheet = %(sheet)s AND row_key = k.row_key
+    OFFSET 0
+) AS r;
 
 -- name: sheet_complete_rows :many
 -- Write a page of terminal outputs where the writer's attempt and the row's write version
@@ -205,20 +213,31 @@ WITH run AS (
         AS c (row_key, status, output)
 ), locked AS (
     SELECT r.row_key, r.run_id, r.write_version, r.status, r.output
-    FROM wq_sheet_rows r
-    WHERE r.org = %(org)s AND r.sheet = %(sheet)s AND r.row_key = ANY (%(keys)s::text[])
-      AND EXISTS (SELECT 1 FROM fence)
+    FROM unnest(%(keys)s::text[]) AS k (row_key)
+    CROSS JOIN LATERAL (
+        SELECT row_key, run_id, write_version, status, output FROM wq_sheet_rows
+        WHERE org = %(org)s AND sheet = %(sheet)s AND row_key = k.row_key
+        OFFSET 0
+    ) AS r
+    WHERE EXISTS (SELECT 1 FROM fence)
     ORDER BY r.row_key
-    FOR UPDATE
+    FOR UPDATE OF r
 ), written AS (
-    UPDATE wq_sheet_rows r
-    SET status = page.status, output = page.output, finished_at = now(),
-        attempt = %(attempt)s
+    -- Row by row through the primary key, whatever the statistics say of the sheet: every
+    -- row of `locked` exists and this statement holds its lock, so each insert becomes the
+    -- update, judged on the row's latest version. (An UPDATE joined to the page was planned
+    -- as a read of the whole sheet, or of all the run's pending rows, for a sheet the
+    -- statistics had not seen grow.)
+    INSERT INTO wq_sheet_rows AS r (org, sheet, row_key, status, output)
+    SELECT %(org)s, %(sheet)s, page.row_key, page.status, page.output
     FROM page JOIN locked USING (row_key)
-    WHERE r.org = %(org)s AND r.sheet = %(sheet)s AND r.row_key = page.row_key
-      AND r.status = 'pending'
-      AND r.run_id = %(run_id)s  -- only the writer's own rows, whatever version it sends
-      AND (%(write_version)s::bigint IS NULL OR r.write_version = %(write_version)s::bigint)
+    ORDER BY page.row_key
+    ON CONFLICT (org, sheet, row_key) DO UPDATE
+        SET status = excluded.status, output = excluded.output, finished_at = now(),
+            attempt = %(attempt)s
+        WHERE r.status = 'pending'
+          AND r.run_id = %(run_id)s  -- only the writer's own rows, whatever version it sends
+          AND (%(write_version)s::bigint IS NULL OR r.write_version = %(write_version)s::bigint)
     RETURNING r.row_key
 ), counted AS (
     UPDATE wq_runs
