@@ -257,10 +257,10 @@ drop(
     SHEETS_SQL,
     "sheet_complete_rows",
     """\
-    WHERE r.org = %(org)s AND r.sheet = %(sheet)s AND r.row_key = ANY (%(keys)s::text[])
-      AND EXISTS (SELECT 1 FROM fence)
+    ) AS r
+    WHERE EXISTS (SELECT 1 FROM fence)
     ORDER BY r.row_key""",
-    "\n      AND EXISTS (SELECT 1 FROM fence)",
+    "\n    WHERE EXISTS (SELECT 1 FROM fence)",
     (FENCE, SHEETS, SHEET_RACES),
 )
 swap(
