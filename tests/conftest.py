@@ -8,8 +8,9 @@ a template database built once with the real migration runner, and per test eith
   LISTEN/NOTIFY, a worker in-process or a subprocess), or
 - ``empty_db``: a factory of never-migrated databases (for the migration gate itself).
 
-A server leaked by an earlier, killed run is swept at session start. A missing database is a
-failure, never a skip.
+A server leaked by an earlier, killed run is swept at session start, and so is every process
+a killed session left; a process this session leaves running fails it (tests/leftovers.py).
+A missing database is a failure, never a skip.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queues import migrations
+from tests import leftovers
 from worker import embedded
 
 SWEEP_ROOT = Path(tempfile.gettempdir()) / "worker-tests"
@@ -184,3 +186,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped in CI, which must run it: {reason}"
+
+
+# ---- nothing left behind ----------------------------------------------------------------------
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Mark this session's processes; kill those of sessions that are gone."""
+    for orphan in leftovers.sweep_orphans():
+        print(f"killed a process left by a killed test session: {orphan.pid} {orphan.command}")
+    os.environ[leftovers.MARK] = leftovers.session_mark()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own, which tears the session's fixtures down
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    grace = float(os.environ.get("WORKER_TEST_LEFTOVER_GRACE_S") or 15)
+    left = leftovers.left_behind(os.environ[leftovers.MARK], grace_s=grace)
+    if left:
+        names = "\n".join(f"  {m.pid} {m.command}" for m in left)
+        session.config.get_terminal_writer().line(
+            f"the session left {len(left)} process(es) running (killed now):\n{names}",
+            red=True,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

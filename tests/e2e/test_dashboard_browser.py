@@ -4,14 +4,17 @@ A worker runs the demo's plays in this process; the dashboard reads as a wq_read
 and acts as a wq_worker login. The browser logs in, loads the runs page, opens a demo run
 and sees its progress, opens a failed run and sees its traceback (and retries it), cancels
 a live demo run from its page, and visits the lanes and metrics pages. A screenshot of
-every page is saved under tests/artifacts/dashboard/ (git-ignored), and the paths printed.
+every page is saved outside the source tree, under ``$WORKER_TEST_ARTIFACTS/dashboard`` (by
+default the temporary directory's ``worker-test-artifacts``), and the paths printed.
 
 Chromium is required, never skipped: `scripts/install-test-deps` installs Debian's package.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,13 @@ from worker.context import RunContext
 from worker.demo import demo_plays, sample_path
 from worker.plays import Registry
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
+ARTIFACTS = (
+    Path(
+        os.environ.get("WORKER_TEST_ARTIFACTS")
+        or Path(tempfile.gettempdir()) / "worker-test-artifacts"
+    )
+    / "dashboard"
+)
 RELEASE = "demo"
 CHROMIUM_ARGS = [
     "--no-sandbox",  # CI runs as root

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -346,19 +347,49 @@ def _psql_as(user: str, server: embedded.EmbeddedServer, password: str | None) -
     return res.returncode, res.stdout.strip() + res.stderr.strip()
 
 
-@contextlib.contextmanager
-def _effective_user(name: str) -> Iterator[None]:
-    """Act as ``name`` in this process (a Python client as that user), then as root again."""
-    pw, groups = pwd.getpwnam(name), os.getgroups()
-    os.setgroups([])
-    os.setegid(pw.pw_gid)
-    os.seteuid(pw.pw_uid)
+def _python_client_as(user: str, server: embedded.EmbeddedServer, home: Path) -> dict[str, Any]:
+    """What a Python client and ``ensure_running`` meet as ``user``: in a forked child that
+    drops to that user for good (this interpreter lives where other users may not read, so
+    no new one is started), so this test process never changes its own identity."""
+    pw = pwd.getpwnam(user)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            seen: dict[str, Any] = {
+                "no_password": _refusal_text(_client(server.port, None)),
+                "wrong_password": _refusal_text(_client(server.port, "wrong")),
+            }
+            try:
+                ensure_running(home)
+                seen["ensure_running"] = {"code": None, "message": "started"}
+            except EmbeddedPostgresError as exc:
+                seen["ensure_running"] = {"code": exc.code, "message": str(exc)}
+            os.write(write, json.dumps(seen).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        out = pipe.read()
+    _, status_code = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status_code) == 0 and out, out
+    found: dict[str, Any] = json.loads(out)
+    return found
+
+
+def _refusal_text(conninfo: str) -> str:
+    """The message of a connection attempt (``connected`` if it was not refused)."""
     try:
-        yield
-    finally:
-        os.seteuid(0)
-        os.setegid(0)
-        os.setgroups(groups)
+        psycopg.connect(conninfo).close()
+    except psycopg.OperationalError as exc:
+        return str(exc)
+    return "connected"
 
 
 def test_password_required_and_secret_private(home: Path) -> None:
@@ -411,15 +442,12 @@ def test_local_user_without_the_secret_is_refused(home: Path) -> None:
         assert res.returncode != 0 and "Permission denied" in res.stderr, (user, res)
 
     # A Python client as nobody, and the project's own entry point as nobody.
-    with _effective_user("nobody"):
-        no_password = _refusal(_client(server.port, None))
-        wrong_password = _refusal(_client(server.port, "wrong"))
-        with pytest.raises(EmbeddedPostgresError) as caught:
-            ensure_running(home)
-    assert "no password supplied" in no_password
-    assert "password authentication failed" in wrong_password
-    assert caught.value.code == "EMBEDDED_SECRET_UNREADABLE"
-    assert str(home / "secret") in str(caught.value) and "DATABASE_URL" in str(caught.value)
+    seen = _python_client_as("nobody", server, home)
+    assert "no password supplied" in seen["no_password"], seen
+    assert "password authentication failed" in seen["wrong_password"], seen
+    refused = seen["ensure_running"]
+    assert refused["code"] == "EMBEDDED_SECRET_UNREADABLE", seen
+    assert str(home / "secret") in refused["message"] and "DATABASE_URL" in refused["message"]
     assert status(home).pid == server.pid
 
 
