@@ -34,7 +34,10 @@ See docs/mutants.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
 import fnmatch
+import hashlib
 import os
 import re
 import shutil
@@ -45,6 +48,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from worker import embedded  # the checkout's, for the shared test server
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / "v" / "bin" / "python"
@@ -745,6 +751,73 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     return "\n".join([line(header), rule, *(line(r) for r in rows)])
 
 
+# ---- CI: a rotating share, the whole set when a fenced statement changed -----------------
+
+DOC = ROOT / "docs" / "mutants.md"
+DOC_BEGIN = "<!-- fence-mutants:results -->"
+DOC_END = "<!-- /fence-mutants:results -->"
+CI_SHARES = 8
+_DIGEST_LINE = re.compile(r"fenced statements' digest: `(?P<digest>[0-9a-f]{64})`")
+
+
+def statement_text(text: str, name: str) -> str:
+    """The section of a query file holding statement ``name`` (its header to the next)."""
+    starts = [(m.start(), m["name"]) for m in _HEADER.finditer(text)]
+    for i, (start, found) in enumerate(starts):
+        if found == name:
+            end = starts[i + 1][0] if i + 1 < len(starts) else len(text)
+            return text[start:end]
+    raise Rotted(f"no statement {name!r}")
+
+
+def fenced_digest(tree: Path, mutants: list[Mutant]) -> str:
+    """A digest of the text of every statement a mutant names, and of the mutant list: it
+    changes when a fenced statement or a mutant does, and only then."""
+    sha = hashlib.sha256()
+    for file, query in sorted({(m.file, m.query) for m in mutants}):
+        sha.update(f"{file}:{query}\n".encode())
+        sha.update(statement_text((tree / file).read_text(encoding="utf-8"), query).encode())
+    for m in mutants:
+        sha.update(repr((m.id, m.old, m.new, m.tests)).encode())
+    return sha.hexdigest()
+
+
+def recorded_digest() -> str | None:
+    """The digest docs/mutants.md recorded with its last full run."""
+    with contextlib.suppress(OSError):
+        found = _DIGEST_LINE.search(DOC.read_text(encoding="utf-8"))
+        return found["digest"] if found else None
+    return None
+
+
+def ci_share(commit: str) -> int:
+    """This commit's share of the mutants: the number of commits up to it, modulo the
+    shares, so consecutive commits check consecutive shares and every mutant is run at
+    least once in any CI_SHARES consecutive commits."""
+    count = subprocess.run(
+        ["git", "rev-list", "--count", commit], cwd=ROOT, check=True, capture_output=True
+    ).stdout
+    return int(count) % CI_SHARES
+
+
+def write_doc(commit: str, digest: str, summary: str, results: str) -> None:
+    """Replace the results section of docs/mutants.md with this full run's."""
+    text = DOC.read_text(encoding="utf-8")
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise SystemExit(f"fence_mutants: {DOC} has no {DOC_BEGIN} ... {DOC_END} section")
+    day = datetime.datetime.now(datetime.UTC).date().isoformat()
+    block = (
+        f"{DOC_BEGIN}\n"
+        f"Written by `scripts/fence_mutants.py --write-doc` at {commit[:12]} on {day}: "
+        f"{summary}. The fenced statements' digest: `{digest}` (CI runs every mutant when "
+        "the statements or the mutants no longer match it).\n\n"
+        f"{results}\n{DOC_END}"
+    )
+    before, rest = text.split(DOC_BEGIN, 1)
+    after = rest.split(DOC_END, 1)[1]
+    DOC.write_text(before + block + after, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -780,6 +853,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the scratch copy")
     parser.add_argument(
+        "--ci",
+        action="store_true",
+        help="CI: every mutant when a fenced statement or the mutant list changed since "
+        "docs/mutants.md's run, else this commit's rotating share (one of "
+        f"{CI_SHARES})",
+    )
+    parser.add_argument(
+        "--write-doc",
+        action="store_true",
+        help="after a full run, write its table into docs/mutants.md",
+    )
+    parser.add_argument(
         "-v",
         "--verbose",
         action="store_true",
@@ -802,6 +887,17 @@ def main(argv: list[str] | None = None) -> int:
         except Rotted as rotted:
             sys.stderr.write(f"fence_mutants: the mutant list does not apply: {rotted}\n")
             return 2
+        digest = fenced_digest(scratch, MUTANTS)
+        if args.ci and not args.only:
+            if recorded_digest() == digest:
+                share = ci_share(ref or "HEAD")
+                mutants = [m for i, m in enumerate(MUTANTS) if i % CI_SHARES == share]
+                say(
+                    f"fenced statements unchanged since docs/mutants.md's full run: "
+                    f"share {share} of {CI_SHARES}, {len(mutants)} mutants"
+                )
+            else:
+                say("fenced statements or mutants changed since docs/mutants.md's run: all")
         if args.list:
             say(
                 table(
@@ -812,6 +908,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         source = "the working tree" if ref is None else f"{args.ref} ({ref[:12]})"
         say(f"scratch copy of {source}: {scratch}")
+        # One server for every run (each run still migrates its own template from the
+        # copy): a test session need not start a server of its own each time.
+        server_home = scratch / ".server"
+        server_home.mkdir(mode=0o755)
+        scratch.chmod(0o755)
+        os.environ["WORKER_TEST_DATABASE_URL"] = embedded.ensure_running(server_home).url(
+            "postgres"
+        )
         chosen = tuple(args.tests) or (ALL_FENCE_TESTS if args.wide else ())
         selected = {m.id: chosen or m.tests for m in mutants}
         union = tuple(dict.fromkeys(t for s in selected.values() for t in s))
@@ -851,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             say(f"[{n}/{len(mutants)}] {mutant.id}: {result} in {got.seconds:.1f}s {killer}")
     finally:
+        with contextlib.suppress(Exception):  # none started when the list did not apply
+            embedded.stop(scratch / ".server", mode="immediate")
         if args.keep:
             say(f"kept {scratch}")
         else:
@@ -858,7 +964,8 @@ def main(argv: list[str] | None = None) -> int:
 
     total = time.monotonic() - started
     say("")
-    say(table(rows, ("mutant", "file", "removed", "tests run", "result", "time", "killed by")))
+    results = table(rows, ("mutant", "file", "removed", "tests run", "result", "time", "killed by"))
+    say(results)
     killed = sum(1 for r in rows if r[4] == "killed")
     say(f"\n{killed}/{len(rows)} killed; total {total:.0f}s (baseline {base.seconds:.0f}s)")
     for mutant, result, got in bad:
@@ -868,6 +975,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.verbose:
             say(got.output)
+    if args.write_doc:
+        if len(rows) != len(MUTANTS) or ref is None:
+            say("fence_mutants: --write-doc records a full run of a commit only; not written")
+            return 1
+        summary = f"**{killed} of {len(rows)} killed** in {total:.0f} s"
+        write_doc(ref, digest, summary, results)
+        say(f"wrote {DOC.relative_to(ROOT)}")
     return 1 if bad else 0
 
 
