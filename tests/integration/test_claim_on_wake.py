@@ -9,12 +9,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
+import json
 import random
 import uuid
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
-from queues import admission, lanes, runs
+from psycopg import sql
+
+from queues import admission, lanes, runs, transport
 from tests.workers import (
     connect,
     eventually,
@@ -29,7 +34,8 @@ from worker.plays import Registry
 from worker.runtime import Worker
 
 RELEASE = "onwake"
-NO_POLL_S = 60.0
+NO_POLL_S = 3600.0  # no poll within a test, however slow the machine
+CLOCK_SLACK_S = 0.001  # the event loop runs a timer up to its clock's resolution early
 
 registry = Registry()
 gate: dict[str, asyncio.Event] = {}  # the `hold` play's, made in each test's event loop
@@ -47,7 +53,7 @@ async def hold(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(url: str, **overrides: Any) -> AbstractAsyncContextManager[Worker]:
-    """A worker of this module's lane that polls once a minute unless told otherwise."""
+    """A worker of this module's lane that does not poll unless told otherwise."""
     given: dict[str, Any] = {
         "concurrency": 10,
         "grace_s": 10.0,
@@ -62,17 +68,44 @@ async def _attempts(url: str, run_id: uuid.UUID) -> int:
     return int(rows[0][0])
 
 
+async def _quiet(w: Worker) -> bool:
+    """Whether the claim loop waits for work with no wake pending and no claim under way:
+    a wake now is claimed by the LISTEN loop."""
+    return w._idle and not w.wake.is_set() and not w._claim_lock.locked()
+
+
+async def settled(url: str, w: Worker) -> None:
+    """Wait until the LISTEN loop has claimed a run for a wake, then until the claim loop is
+    quiet again (:func:`_quiet`). A worker is ready before its LISTEN session is up; the
+    session's start sets the wake (for jobs spawned before it listened), and until that
+    wake's claim is behind it a spawn's wake may go to the claim loop instead. A claim on
+    wake proves the session listens and its start's wake has been claimed."""
+
+    async def claimed_on_wake() -> bool:
+        await eventually(lambda: _quiet(w))
+        before = w.stats["claims_on_wake"]
+        run_id = await submit(url, "echo", release=RELEASE)
+        await eventually(functools.partial(_succeeded, url, run_id))
+        return w.stats["claims_on_wake"] > before
+
+    try:
+        await eventually(claimed_on_wake, timeout=60)
+    except AssertionError as exc:
+        raise AssertionError(f"the LISTEN loop claimed no run for a wake: {w.stats}") from exc
+    await eventually(lambda: _quiet(w))
+
+
 async def test_a_wake_is_claimed_by_the_listen_loop(db_url: str) -> None:
     await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
     async with worker(db_url) as w:
         await eventually(lambda: waiting_for_work(db_url, w))
-        await asyncio.sleep(0.2)  # its claim loop is back in its wait
+        await settled(db_url, w)
         before = dict(w.stats)
         runs = 6
         for i in range(runs):
             run_id = await submit(db_url, "echo", {"i": i}, release=RELEASE)
-            # Far below the poll (a minute): only the wake picked it up.
-            await eventually(functools.partial(_succeeded, db_url, run_id), timeout=5)
+            # The worker does not poll: only the wake can have picked it up.
+            await eventually(functools.partial(_succeeded, db_url, run_id))
             assert await _attempts(db_url, run_id) == 1
         # Each run was one claim, made by the LISTEN loop; the claim loop made none.
         assert w.stats["claims_on_wake"] - before["claims_on_wake"] == runs, w.stats
@@ -80,28 +113,75 @@ async def test_a_wake_is_claimed_by_the_listen_loop(db_url: str) -> None:
         assert w.stats["claims_empty"] == before["claims_empty"], w.stats
 
 
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One claim statement of a worker, timed on its event loop's clock."""
+
+    on_wake: bool  # made by the LISTEN loop (the claim loop was waiting for work)
+    woken: bool  # the wake event was set as it began (else a claim loop's claim is a poll)
+    began: float
+    ended: float
+    got: int
+    want: int
+
+
+def record_claims(w: Worker) -> list[Claim]:
+    """The claims ``w`` makes from now on, in the order they end (claims are one at a
+    time, so that is also the order they begin)."""
+    made: list[Claim] = []
+    original = w._claim
+
+    async def claim() -> tuple[int, int]:
+        clock = asyncio.get_running_loop().time
+        on_wake, woken, began = w._idle, w.wake.is_set(), clock()
+        got, want = await original()
+        if want:
+            made.append(Claim(on_wake, woken, began, clock(), got, want))
+        return got, want
+
+    w._claim = claim  # type: ignore[method-assign]
+    return made
+
+
 async def test_claims_on_wake_put_off_the_poll(db_url: str) -> None:
     """A claim the LISTEN loop made has just looked for work: the claim loop's poll comes a
-    period after it, as after a claim of its own. Runs admitted every 0.1 s to a worker
-    polling every second make no empty claim (without the reschedule: one a second)."""
+    period after it, as after a claim of its own (without the reschedule, a worker woken
+    every 0.1 s and polling every second would make an empty claim every second).
+
+    Runs are admitted one after another for two periods, then the test waits for the poll
+    that follows them. Whatever the load, a poll never begins within a period of the end
+    of the claim before it; and the settling claim on wake fell within the claim loop's
+    first wait, so a poll timed from that wait's start alone breaks the rule."""
+    poll_s = 1.0
     await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
-    async with worker(db_url, poll_s=1.0) as w:
+    async with worker(db_url, poll_s=poll_s) as w:
         await eventually(lambda: waiting_for_work(db_url, w))
-        await asyncio.sleep(0.2)  # its claim loop is back in its wait
-        first = await submit(db_url, "echo", {"i": -1}, release=RELEASE)
-        await eventually(lambda: _succeeded(db_url, first), timeout=5)
-        before = dict(w.stats)
-        admitted = []
-        for i in range(30):
-            admitted.append(await submit(db_url, "echo", {"i": i}, release=RELEASE))
-            await asyncio.sleep(0.1)
+        made = record_claims(w)
+        await settled(db_url, w)
+        clock = asyncio.get_running_loop().time
+        until = clock() + 2 * poll_s
+        admitted: list[uuid.UUID] = []
+        while clock() < until:
+            run_id = await submit(db_url, "echo", {"i": len(admitted)}, release=RELEASE)
+            admitted.append(run_id)
+            await eventually(functools.partial(_succeeded, db_url, run_id))
+        last = len(made)
 
-        async def all_done() -> bool:
-            return all([await _succeeded(db_url, r) for r in admitted])
+        async def polled() -> bool:
+            return any(not c.on_wake for c in made[last:])
 
-        await eventually(all_done, timeout=10)
-        assert w.stats["claims_empty"] == before["claims_empty"], w.stats
-        assert w.stats["claims"] - before["claims"] == 30, w.stats
+        await eventually(polled)
+    assert any(c.on_wake for c in made), made
+    for earlier, later in itertools.pairwise(made):
+        if later.on_wake or later.woken or earlier.got >= earlier.want:
+            continue  # not a poll: claimed for a wake, or at once after a full claim
+        assert later.began - earlier.ended >= poll_s - CLOCK_SLACK_S, (earlier, later, made)
+    rows = await fetch(
+        db_url,
+        "SELECT count(*), count(DISTINCT run_id) FROM wq_attempts WHERE run_id = ANY(%s)",
+        (admitted,),
+    )
+    assert rows == [(len(admitted), len(admitted))]
 
 
 async def _succeeded(url: str, run_id: uuid.UUID) -> bool:
@@ -151,8 +231,12 @@ async def test_two_claimers_never_take_more_than_the_free_slots(db_url: str) -> 
         watching = asyncio.create_task(watch())
         try:
             await asyncio.gather(*(admit(k) for k in range(4)))
-            await eventually(lambda: _running(db_url, w))
-            await asyncio.sleep(0.3)  # many polls and wakes against full slots
+
+            async def full() -> bool:
+                return await _running(db_url, w) == slots
+
+            await eventually(full)
+            await wakes_read(db_url, w)  # every wake the bursts sent met full slots
         finally:
             watching.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -176,6 +260,28 @@ async def test_two_claimers_never_take_more_than_the_free_slots(db_url: str) -> 
         assert rows == [(16, 16)]  # one attempt each: nothing was handed back
 
 
+async def wakes_read(url: str, w: Worker) -> None:
+    """Wait until the LISTEN loop has read every notification sent before this call: a
+    control message naming a run of ``w``'s (with no cancel request, so it stops nothing)
+    is sent, and ``w`` looks the run up once it reads the message. Notifications come in
+    the order they were committed, and the LISTEN loop reads the next one only once it is
+    done with the one before (a claim on wake included)."""
+    run_id = next(iter(w.live))
+    checks = w.stats["control_checks"]
+    async with connect(url) as conn:
+        await conn.execute(
+            sql.SQL("NOTIFY {}, {}").format(
+                sql.Identifier(transport.CONTROL_CHANNEL),
+                sql.Literal(json.dumps({"cancel": str(run_id)})),
+            )
+        )
+
+    async def looked_up() -> bool:
+        return w.stats["control_checks"] > checks
+
+    await eventually(looked_up)
+
+
 async def test_a_stop_hands_back_what_a_claim_on_wake_took(db_url: str) -> None:
     """Stops right after a submit, at random points around the LISTEN loop's claim: the
     run ends up run or back in its lane, never leased to the stopped worker."""
@@ -186,7 +292,7 @@ async def test_a_stop_hands_back_what_a_claim_on_wake_took(db_url: str) -> None:
     for _ in range(20):
         async with worker(db_url, concurrency=1, grace_s=0.2) as w:
             await eventually(lambda: waiting_for_work(db_url, w))
-            await asyncio.sleep(0.05)
+            await settled(db_url, w)  # the submit's wake is claimed by the LISTEN loop
             run_id = await submit(db_url, "hold", release=RELEASE)
             await asyncio.sleep(rng.uniform(0, 0.002))
         # The block's exit stopped the worker and waited for it.

@@ -544,7 +544,11 @@ async def test_a_projector_is_woken_by_the_outbox_it_has_to_deliver(
     """A listening projector that polls once an hour: appends with no HTTP sink enabled do
     not wake it (it ran a pass for every append when it listened to the ledger); once a
     sink is enabled, a new event is delivered at once: only the outbox's notification
-    (migration 0033) can wake it."""
+    (migration 0033) can wake it.
+
+    That the appends sent no wake is read on a session of the test's own that listens on
+    the projectors' channel: a marker notified after them arrives after anything they sent
+    (notifications come in commit order), and the projector does not listen for it."""
     passes = 0
     project_once = projector.project_once
 
@@ -555,7 +559,9 @@ async def test_a_projector_is_woken_by_the_outbox_it_has_to_deliver(
 
     monkeypatch.setattr(projector, "project_once", counted)
     with receiving() as receiver:
-        async with connect(db_url) as conn:
+        async with connect(db_url) as conn, connect(db_url) as listener:
+            await listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(projector.CHANNEL)))
+            await listener.execute("LISTEN wq_test_marker")
             stop = asyncio.Event()
             projecting = asyncio.create_task(
                 projector.project_forever(db_url, stop, owner="woken", poll_s=3600)
@@ -577,7 +583,13 @@ async def test_a_projector_is_woken_by_the_outbox_it_has_to_deliver(
                 assert passes == 1  # the first, at start
                 for _ in range(5):  # five runs admitted, each its own append: no sink
                     await submit(db_url, "p", release="woken")
-                await asyncio.sleep(0.2)  # time for any wake to have come (none may)
+                await conn.execute("NOTIFY wq_test_marker")
+                heard: list[str] = []
+                async for note in listener.notifies(timeout=DEADLINE_S):
+                    heard.append(note.channel)
+                    if note.channel == "wq_test_marker":
+                        break
+                assert heard == ["wq_test_marker"]  # no wake for the projectors came first
                 assert passes == 1
                 await ledger.add_sink(conn, "woken", receiver.url)
                 run_id = await submit(db_url, "p", release="woken")
