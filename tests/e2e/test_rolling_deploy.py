@@ -2,9 +2,14 @@
 admission-only app on v2, a drain and a reclaim of v1, and a historic v1 sleeper that wakes
 after the reclaim.
 
-Every play records the release its worker was started with. At the end: no run was
-executed by a worker of another release than its own (the one adopted run belongs to v2
-once adopted), none was lost, and v1 never reopened to admissions.
+While both releases' workers run, each idle (waiting for work), runs are queued on both
+lanes at once, so every one of them could be taken by either worker: each lane's runs must
+run only on its own release's worker.
+
+Every play records the release its worker was started with, and every attempt the id of
+the worker that ran it. At the end: no run was executed by a worker of another release
+than its own (the one adopted run belongs to v2 once adopted), none was lost, and v1 never
+reopened to admissions.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ def cli(url: str, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
 
 
 @contextmanager
-def worker_of(url: str, release: str, tmp: Path) -> Iterator[subprocess.Popen[bytes]]:
+def worker_of(url: str, release: str, tmp: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A ``worker start`` process of ``release`` that reported ready, and its worker id."""
     ready = tmp / f"{release}-{uuid.uuid4().hex[:6]}.ready"
     with (tmp / f"{release}.log").open("ab") as log:
         proc = subprocess.Popen(
@@ -82,7 +88,7 @@ def worker_of(url: str, release: str, tmp: Path) -> Iterator[subprocess.Popen[by
             assert proc.poll() is None, (tmp / f"{release}.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "worker never reported ready"
             time.sleep(0.05)
-        yield proc
+        yield proc, str(json.loads(ready.read_text())["worker_id"])
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -103,6 +109,36 @@ def submit(url: str, play: str, release: str, *, admission_only: bool, **params:
     return str(json.loads(done.stdout)["run_id"])
 
 
+def submit_batch(url: str, tmp: Path, runs: list[tuple[str, str]]) -> list[str]:
+    """Admit ``runs`` (play, release) in one atomic statement (``worker submit --runs``)."""
+    batch = tmp / f"batch-{uuid.uuid4().hex[:6]}.jsonl"
+    batch.write_text("".join(json.dumps({"play": p, "release": r}) + "\n" for p, r in runs))
+    done = cli(url, "submit", "--runs", str(batch), "--json")
+    assert done.returncode == 0, done.stderr
+    return [str(run["run_id"]) for run in json.loads(done.stdout)["runs"]]
+
+
+async def waiting_for_work(url: str, worker_id: str) -> bool:
+    """Whether the worker is idle: in the set of workers waiting for work (its last claim
+    came back short)."""
+    rows = await fetch(url, "SELECT waiting_since FROM wq_workers WHERE id = %s", (worker_id,))
+    return bool(rows) and rows[0][0] is not None
+
+
+async def ran_on(url: str, run_ids: list[str]) -> dict[str, set[str]]:
+    """The ids of the workers that ran an attempt of the runs, by the runs' lane."""
+    rows = await fetch(
+        url,
+        "SELECT r.lane, a.worker_id FROM wq_runs r JOIN wq_attempts a ON a.run_id = r.id"
+        " WHERE r.id = ANY(%s::uuid[])",
+        (run_ids,),
+    )
+    found: dict[str, set[str]] = {}
+    for lane, worker_id in rows:
+        found.setdefault(str(lane), set()).add(str(worker_id))
+    return found
+
+
 async def states(url: str, run_ids: list[str]) -> dict[str, str]:
     rows = await fetch(
         url, "SELECT id::text, state::text FROM wq_runs WHERE id = ANY(%s::uuid[])", (run_ids,)
@@ -117,16 +153,33 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     assert cli(db_url, "migrate").returncode == 0  # the release phase
     with ExitStack() as stack:
         # v1 is live: its worker, and the old app admitting on v1.
-        v1 = stack.enter_context(worker_of(db_url, "v1", tmp_path))
-        v1_runs = [submit(db_url, "work", "v1", admission_only=False) for _ in range(3)]
+        v1, v1_worker = stack.enter_context(worker_of(db_url, "v1", tmp_path))
+        v1_runs = [submit(db_url, "work", "v1", admission_only=False)]
         sleeper = submit(db_url, "nap", "v1", admission_only=False, event="go")
         await until(db_url, v1_runs, "succeeded")
         await until(db_url, [sleeper], "sleeping")
 
-        # v2 rolls out: its worker starts (and prepares its lane); the app switches to v2,
-        # in admission-only mode (no lane preparation, no schema check on the app side).
-        stack.enter_context(worker_of(db_url, "v2", tmp_path))
-        v2_runs = [submit(db_url, "work", "v2", admission_only=True) for _ in range(3)]
+        # v2 rolls out: its worker starts (and prepares its lane) beside v1's. Both are
+        # running and idle, waiting for work; then runs are queued on both lanes at once
+        # (one atomic batch, a release per run: the old and the new app admitting in the
+        # same moment), so each worker is woken while the other lane's runs are there to
+        # take too.
+        _, v2_worker = stack.enter_context(worker_of(db_url, "v2", tmp_path))
+
+        async def both_idle() -> bool:
+            return await waiting_for_work(db_url, v1_worker) and await waiting_for_work(
+                db_url, v2_worker
+            )
+
+        await eventually(both_idle, timeout=30)
+        overlap = submit_batch(db_url, tmp_path, [("work", r) for r in ("v1", "v2") * 4])
+        await until(db_url, overlap, "succeeded")
+        # Each lane's runs ran only on its own release's worker.
+        assert await ran_on(db_url, overlap) == {"r-v1": {v1_worker}, "r-v2": {v2_worker}}
+
+        # The app switches to v2, in admission-only mode (no lane preparation, no schema
+        # check on the app side).
+        v2_runs = [submit(db_url, "work", "v2", admission_only=True)]
         late_v1 = submit(db_url, "work", "v1", admission_only=False)  # a straggler
         drained = cli(db_url, "queues", "drain", "v1")
         assert drained.returncode == 0, drained.stderr
@@ -158,7 +211,7 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
         assert adopted.returncode == 0, adopted.stderr
         await until(db_url, [sleeper], "succeeded")
 
-    everything = [*v1_runs, sleeper, *v2_runs, late_v1]
+    everything = [*v1_runs, sleeper, *overlap, *v2_runs, late_v1]
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
         finished = [await runs.get(conn, uuid.UUID(r)) for r in everything]
         lane = await conn.execute("SELECT state::text FROM wq_lanes WHERE name = 'r-v1'")
@@ -173,6 +226,11 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     by_id = {str(r.id): r for r in finished}
     assert {by_id[r].result["executed_by"] for r in [*v1_runs, late_v1]} == {"v1"}
     assert {by_id[r].result["executed_by"] for r in v2_runs} == {"v2"}
+    # ... and by its release's one worker process: every attempt of a run on v1's lane by
+    # v1's worker, of a run on v2's lane by v2's (the sleeper, adopted, has both).
+    unadopted = [r for r in everything if r != sleeper]
+    assert await ran_on(db_url, unadopted) == {"r-v1": {v1_worker}, "r-v2": {v2_worker}}
+    assert await ran_on(db_url, [sleeper]) == {"r-v2": {v1_worker, v2_worker}}
     # The sleeper slept on v1 and, adopted, was finished by v2 (its release is v2 now).
     assert by_id[sleeper].result["slept_on"] == "v1" and by_id[sleeper].release == "v2"
     assert by_id[sleeper].result["woken"] is True
