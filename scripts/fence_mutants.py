@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -757,7 +758,7 @@ DOC = ROOT / "docs" / "mutants.md"
 DOC_BEGIN = "<!-- fence-mutants:results -->"
 DOC_END = "<!-- /fence-mutants:results -->"
 CI_SHARES = 8
-_DIGEST_LINE = re.compile(r"fenced statements' digest: `(?P<digest>[0-9a-f]{64})`")
+_DIGEST_LINE = re.compile(r"fenced\s+statements'\s+digest:\s+`(?P<digest>[0-9a-f]{64})`")
 
 
 def statement_text(text: str, name: str) -> str:
@@ -771,14 +772,15 @@ def statement_text(text: str, name: str) -> str:
 
 
 def fenced_digest(tree: Path, mutants: list[Mutant]) -> str:
-    """A digest of the text of every statement a mutant names, and of the mutant list: it
-    changes when a fenced statement or a mutant does, and only then."""
+    """A digest of the text of every statement a mutant names, and of each mutant's
+    replacement: it changes when a fenced statement or a mutation does, and only then (a
+    mutant's list of tests may grow without it)."""
     sha = hashlib.sha256()
     for file, query in sorted({(m.file, m.query) for m in mutants}):
         sha.update(f"{file}:{query}\n".encode())
         sha.update(statement_text((tree / file).read_text(encoding="utf-8"), query).encode())
     for m in mutants:
-        sha.update(repr((m.id, m.old, m.new, m.tests)).encode())
+        sha.update(repr((m.id, m.file, m.query, m.old, m.new)).encode())
     return sha.hexdigest()
 
 
@@ -806,13 +808,15 @@ def write_doc(commit: str, digest: str, summary: str, results: str) -> None:
     if DOC_BEGIN not in text or DOC_END not in text:
         raise SystemExit(f"fence_mutants: {DOC} has no {DOC_BEGIN} ... {DOC_END} section")
     day = datetime.datetime.now(datetime.UTC).date().isoformat()
-    block = (
-        f"{DOC_BEGIN}\n"
+    prose = textwrap.fill(
         f"Written by `scripts/fence_mutants.py --write-doc` at {commit[:12]} on {day}: "
         f"{summary}. The fenced statements' digest: `{digest}` (CI runs every mutant when "
-        "the statements or the mutants no longer match it).\n\n"
-        f"{results}\n{DOC_END}"
+        "the statements or the mutations no longer match it).",
+        width=90,
+        break_long_words=False,
+        break_on_hyphens=False,
     )
+    block = f"{DOC_BEGIN}\n{prose}\n\n{results}\n{DOC_END}"
     before, rest = text.split(DOC_BEGIN, 1)
     after = rest.split(DOC_END, 1)[1]
     DOC.write_text(before + block + after, encoding="utf-8")
