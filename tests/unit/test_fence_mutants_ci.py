@@ -54,12 +54,16 @@ def test_the_digest_follows_the_fenced_statements_only(fm: ModuleType, tmp_path:
     assert fm.fenced_digest(tree, fm.MUTANTS) != before
 
 
-def test_a_changed_mutant_changes_the_digest(fm: ModuleType) -> None:
+def test_a_changed_mutation_changes_the_digest_a_longer_test_list_does_not(fm: ModuleType) -> None:
     first = fm.MUTANTS[0]
     changed = fm.Mutant(
         first.id, first.file, first.query, first.removed, first.old, "x", first.tests
     )
     assert fm.fenced_digest(ROOT, fm.MUTANTS) != fm.fenced_digest(ROOT, [changed, *fm.MUTANTS[1:]])
+    slower = fm.Mutant(
+        first.id, first.file, first.query, first.removed, first.old, first.new, (*first.tests, "x")
+    )
+    assert fm.fenced_digest(ROOT, fm.MUTANTS) == fm.fenced_digest(ROOT, [slower, *fm.MUTANTS[1:]])
 
 
 def test_the_shares_cover_every_mutant(fm: ModuleType) -> None:
