@@ -525,9 +525,11 @@ class Worker:
         self.stats["claims_on_wake"] += bool(want)
         if want and got >= want:
             self.wake.set()  # it took all it asked for: the claim loop looks for more
-        elif self._poll is not None:
+        elif self._poll is not None and not self._poll.expired():
             # A claim has just looked: the claim loop's next poll is a period from now, as
             # after a claim of its own (else an idle worker woken in turns polled in vain).
+            # A poll that came due during this claim is already cancelling the claim loop's
+            # wait and can no longer be moved (asyncio raises): that loop claims next.
             self._poll.reschedule(asyncio.get_running_loop().time() + self.s.poll_s)
         return True
 

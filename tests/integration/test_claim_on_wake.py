@@ -113,6 +113,48 @@ async def test_a_wake_is_claimed_by_the_listen_loop(db_url: str) -> None:
         assert w.stats["claims_empty"] == before["claims_empty"], w.stats
 
 
+async def test_a_poll_due_during_a_claim_on_wake_does_not_stop_the_listen_loop(
+    db_url: str,
+) -> None:
+    """The claim loop's poll can come due while the LISTEN loop's claim is under way (a slow
+    claim, a busy machine): asyncio then holds that poll as expiring, cancelling the claim
+    loop's wait, and refuses to move it. The claim on wake must leave it be (the claim loop
+    claims next), not raise: a raise ended the LISTEN loop and with it the worker.
+
+    The state is made exactly: a poll whose timer has fired, its waiter not yet resumed."""
+    await submit(db_url, "echo", release=RELEASE)  # prepares the lane; a first run
+    async with worker(db_url) as w:
+        await eventually(lambda: waiting_for_work(db_url, w))
+        await settled(db_url, w)
+
+        async def waiter() -> None:
+            async with poll:
+                await asyncio.Event().wait()
+
+        poll = asyncio.timeout(NO_POLL_S)
+        parked = asyncio.create_task(waiter())
+        await asyncio.sleep(0)  # the waiter entered its timeout
+        poll._on_timeout()  # the timer fires: expiring, the waiter's cancel not yet run
+        assert poll.expired()
+
+        async def looked() -> tuple[int, int]:
+            return 0, 1  # a claim that found nothing
+
+        real_poll, real_claim = w._poll, w._claim
+        w._poll, w._claim = poll, looked  # type: ignore[method-assign]
+        try:
+            assert await w._claim_woken()
+        finally:
+            w._poll, w._claim = real_poll, real_claim  # type: ignore[method-assign]
+        with contextlib.suppress(TimeoutError):
+            await parked
+        # The worker still claims on wake.
+        before = w.stats["claims_on_wake"]
+        run_id = await submit(db_url, "echo", release=RELEASE)
+        await eventually(functools.partial(_succeeded, db_url, run_id))
+        assert w.stats["claims_on_wake"] > before, w.stats
+
+
 @dataclass(frozen=True, slots=True)
 class Claim:
     """One claim statement of a worker, timed on its event loop's clock."""
