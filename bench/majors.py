@@ -1,0 +1,196 @@
+"""This system on two (or more) Postgres majors, side by side, in one run.
+
+For each round and each major in turn (alternating, so a machine slowing down over the
+run weighs on every major alike), ``bench.baselines`` and ``bench.rows`` run at their
+defaults against a throwaway server of that major (``--pg-bin``; the embedded wheel's
+Postgres when the directory is ``embedded``). Their reports (JSON) are kept in ``--dir``;
+the table printed, and written to ``--out``, has per major the median over the rounds of:
+
+- ours: drain at concurrency 10 (cold and after ANALYZE), the high-throughput drain, the
+  pickup p50, steps per second, rows per second of one big run;
+- ours against the other systems on the same server, the medians of each round's ratios
+  (drain after ANALYZE / Graphile Worker, pickup p50 / Graphile Worker, steps / Absurd,
+  rows / the plain-SQL floor and / procrastinate with one job per page);
+
+and, for every major after the first, ours on it over ours on the first.
+
+    python -m bench.majors --pg-bin embedded --pg-bin /usr/lib/postgresql/15/bin --rounds 2
+    python -m bench.majors --tabulate DIR        # the table of reports already in DIR
+
+See docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = "embedded"
+
+# (label, report, how to read ours' figure, higher is better)
+FIGURES: list[tuple[str, str, Callable[[dict[str, Any]], float], bool]] = [
+    (
+        "drain c10, cold (runs/s)",
+        "baselines",
+        lambda r: r["results"]["ours"]["drain_cold"]["per_s"],
+        True,
+    ),
+    (
+        "drain c10, after ANALYZE (runs/s)",
+        "baselines",
+        lambda r: r["results"]["ours"]["drain_analyzed"]["per_s"],
+        True,
+    ),
+    (
+        "drain, high-throughput mode (runs/s)",
+        "baselines",
+        lambda r: r["results"]["ours"]["drain_tuned"]["per_s"],
+        True,
+    ),
+    ("pickup p50 (ms)", "baselines", lambda r: r["results"]["ours"]["pickup"]["p50_ms"], False),
+    (
+        "steps of one run (steps/s)",
+        "baselines",
+        lambda r: r["results"]["ours"]["steps"]["per_s"],
+        True,
+    ),
+    (
+        "rows of one run, 100,000 (rows/s)",
+        "rows",
+        lambda r: r["results"]["ours"]["rows_per_s"],
+        True,
+    ),
+]
+# (label, report, how to read the ratio) on the same server
+RATIOS: list[tuple[str, str, Callable[[dict[str, Any]], float]]] = [
+    (
+        "drain after ANALYZE / Graphile Worker",
+        "baselines",
+        lambda r: r["ratios"]["drain_analyzed"]["graphile"],
+    ),
+    (
+        "pickup p50 as a speed / Graphile Worker",
+        "baselines",
+        lambda r: r["ratios"]["pickup"]["graphile"],
+    ),
+    ("steps / Absurd", "baselines", lambda r: r["ratios"]["steps"]["absurd"]),
+    ("rows / plain-SQL floor (unnest)", "rows", lambda r: r["ratios"]["ours_over_floor_unnest"]),
+    (
+        "rows / procrastinate, 1 job per page",
+        "rows",
+        lambda r: r["ratios"]["ours_over_procrastinate_pages"],
+    ),
+]
+
+
+def _report_name(kind: str, major: str, n: int) -> str:
+    return f"{kind}-{major}-round{n}.json"
+
+
+def _major_label(pg_bin: str) -> str:
+    return "embedded" if pg_bin == EMBEDDED else Path(pg_bin).parent.name
+
+
+def run(pg_bins: list[str], rounds: int, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in range(1, rounds + 1):
+        for pg_bin in pg_bins:
+            extra = [] if pg_bin == EMBEDDED else ["--pg-bin", pg_bin]
+            for kind, module in (("baselines", "bench.baselines"), ("rows", "bench.rows")):
+                out = folder / _report_name(kind, _major_label(pg_bin), n)
+                print(f"round {n}: {module} on {pg_bin} -> {out}", file=sys.stderr)
+                subprocess.run(
+                    [sys.executable, "-m", module, *extra, "--out", str(out)],
+                    cwd=ROOT,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+
+
+def tabulate(folder: Path) -> dict[str, Any]:
+    """The medians per major of the reports in ``folder``, keyed by the server version."""
+    reports: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for path in sorted(folder.glob("*-round*.json")):
+        kind = path.name.split("-", 1)[0]
+        report = json.loads(path.read_text())
+        if "error" in report:
+            raise SystemExit(f"bench.majors: {path} records an error: {report['error']}")
+        version = str(report["postgres"]["version"]).split()[0]
+        reports.setdefault(version, {}).setdefault(kind, []).append(report)
+    if not reports:
+        raise SystemExit(f"bench.majors: no reports in {folder}")
+    majors = sorted(reports, key=lambda v: [int(x) for x in v.split(".")], reverse=True)
+    table: dict[str, Any] = {"majors": majors, "figures": {}, "ratios": {}, "rounds": {}}
+    for version in majors:
+        table["rounds"][version] = {k: len(v) for k, v in reports[version].items()}
+    for label, kind, read, _ in FIGURES:
+        table["figures"][label] = {
+            v: round(statistics.median(read(r) for r in reports[v][kind]), 1) for v in majors
+        }
+    for label, kind, read in RATIOS:
+        table["ratios"][label] = {
+            v: round(statistics.median(read(r) for r in reports[v][kind]), 2) for v in majors
+        }
+    return table
+
+
+def markdown(table: dict[str, Any]) -> str:
+    majors: list[str] = table["majors"]
+    first = majors[0]
+    head = ["ours", *(f"Postgres {v}" for v in majors)]
+    head += [f"{v} / {first}" for v in majors[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, _, _, higher in FIGURES:
+        values = table["figures"][label]
+        cells = [label, *(f"{values[v]:,}" for v in majors)]
+        for v in majors[1:]:
+            ratio = values[v] / values[first] if higher else values[first] / values[v]
+            cells.append(f"{ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| ours / another system, same server | "
+        + " | ".join(f"Postgres {v}" for v in majors)
+        + " |",
+        "|" + "---|" * (len(majors) + 1),
+    ]
+    for label, _, _ in RATIOS:
+        values = table["ratios"][label]
+        lines.append("| " + " | ".join([label, *(f"{values[v]:.2f}x" for v in majors)]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pg-bin", action="append", default=[], metavar="DIR|embedded")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dir", type=Path, default=ROOT / "bench" / "results" / "majors")
+    p.add_argument("--tabulate", type=Path, metavar="DIR", help="only tabulate DIR's reports")
+    p.add_argument(
+        "--out", type=Path, default=None, help="the table as JSON (default DIR/majors.json)"
+    )
+    args = p.parse_args(argv)
+    folder = args.tabulate or args.dir
+    if args.tabulate is None:
+        if len(args.pg_bin) < 2:
+            p.error("give two --pg-bin or more (the embedded server is 'embedded')")
+        run(args.pg_bin, args.rounds, folder)
+    table = tabulate(folder)
+    table["tabulated_at"] = datetime.now(UTC).isoformat(timespec="seconds")
+    out = args.out or folder / "majors.json"
+    out.write_text(json.dumps(table, indent=2) + "\n")
+    print(markdown(table))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
