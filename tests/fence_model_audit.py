@@ -32,8 +32,10 @@ What is audited (``check`` names the model's invariant):
   a cancel pending the run only ever becomes ``cancelled`` (or ``queued`` for a
   cleanup-only attempt, or ``running`` in it), and the request is never dropped.
 
-The machine runs one statement at a time, so ``wq_audit_seq`` orders the audited writes as
-they committed.
+The machine runs one statement at a time, except in its races, where the live attempt's
+statement runs with another that writes nothing audited (it is refused, and writes only its
+``wq_refusals`` row, or replays a final write): so ``wq_audit_seq`` orders the audited
+writes as they committed.
 """
 
 from __future__ import annotations

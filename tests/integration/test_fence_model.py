@@ -6,25 +6,58 @@ example, with the test-only audit triggers of ``tests/fence_model_audit.py``, dr
 the example), plus an app/operator connection. Its rules are real API calls: admit a run
 (at most three in flight, on two lanes; runs may share a sheet); claim (by any worker, or
 again by the worker of an attempt held; maybe entering the play: admitting its page under
-the run's stable intent); heartbeat (with the step-lease extensions a heartbeat makes);
+the run's stable intent); heartbeat (the lease, the step leases, the worker's own beat);
 claim and/or complete a step, or a page of steps (per-run or shared scope); admit a page
 of sheet rows (stable intent or legacy); complete rows (under the attempt's version,
 unversioned, or another version of its run); suspend (a short wake, sometimes also
 waiting on an event); emit (from a play, fenced, or from the app); cancel (sometimes
-forced); hand back; finish (succeeded, failed or cancelled); the recovery pass with the
-model's clock moved on (often past every lease); drain, reclaim (forced) or reopen a lane.
-Every example starts with two runs, both claimed.
+forced); hand back; finish (succeeded, failed or cancelled); time passing, with some
+workers paused, then a recovery pass; a worker's lost session; races of two writers;
+drain, reclaim (forced) or reopen a lane. Every example starts with two runs that were
+claimed, lost with their workers' sessions and claimed again (:meth:`FenceModel.start`).
 
 A worker writes with *any* attempt it ever held, live or stale: that is the point. Each
 write rule draws an attempt and a ``writer`` (:meth:`FenceModel.pick`): that attempt, its
 worker's latest, its run's live attempt, an earlier attempt of the same run by the same
-worker (a zombie), or an impostor (the latest attempt's number under a worker that never
-held it).
+worker, or the latest attempt's number under a worker that never held it.
 
-A write the fence refuses is an expected outcome (``StaleAttempt``, ``SheetSuperseded``,
-``FinishStatus.REFUSED``/``CANCEL_PENDING``), but each rule also checks that the fence
-answered as the run's state says it must: the run row, read just before the write, tells
-whether the attempt is live (running, at that attempt, under that worker's lease).
+Every write is classified just before it is sent by what the database says of its attempt
+(:meth:`FenceModel.before`): ``live`` (its run is running at that attempt under that
+worker's lease), ``zombie`` (an earlier attempt of its run, held by the worker that holds
+the run's latest: the same process still running the attempt its lease lapsed under, only
+the attempt number tells the two apart), ``impostor`` (an attempt its worker never held:
+only the lease owner tells it from the live one) or ``stale`` (any other attempt its
+worker held: its lease lapsed or was rescued, another worker's claim superseded it, or
+its run moved on). A live write must be applied; any other must be refused
+(``StaleAttempt``, ``SheetSuperseded``, ``FinishStatus.REFUSED``, a lease missing from the
+heartbeat's answer) or, a final write whose outcome its attempt already has, replayed
+(:data:`ANSWERS`). A path whose statement logs its refusals in ``wq_refusals``
+(:data:`REFUSAL_LOG`) must log exactly one for a refused write and none for any other.
+After the examples the test asserts that they tried at least a minimum of each kind of
+write that is not live on each write path, and of live writes (:data:`REFUSED_AT_LEAST`,
+:data:`APPLIED_AT_LEAST`), of races and of lease lapses: a run that tried none of some
+kind fails instead of passing on writes it never sent.
+
+Races (:meth:`FenceModel.race`): the same write is sent for a run's live attempt and for
+a stale, zombie or impostor attempt of that run, each on a session of its own, behind a
+gate: the app's session holds the run's row lock until both statements are in flight
+(each waits for a lock, or its fence failed on the row version it read and it has its
+answer already). The database settles them with its row locks, and the answers must be
+the sequential ones: the live write applied, the other refused and logged. The live write
+must have been waiting when the gate opened: its fence is checked under the run's row
+lock, not on a snapshot.
+
+Liveness is the project's own, with the model's clock. Each worker holds its liveness
+lock on its session (``runs.hold_liveness``), as the runtime does on its LISTEN session,
+and beats (``runs.worker_heartbeat``). While time passes (:meth:`FenceModel.rescue`) the
+workers that are not paused renew the leases of the attempts they run every
+:data:`BEAT_S` seconds (``runs.heartbeat`` at the model's now); the model keeps the lease
+each claim and renewal granted, and the recovery pass that follows must find exactly those
+leases and rescue exactly the ones that ran out: every lease of a paused worker past its
+TTL, none a beat kept. The lost-session rule closes a worker's connection (it was killed,
+or its link dropped), waits until the database sees the worker gone, and checks that
+``recovery.rescue_gone`` rescues every lease it held and no other, lapsed or not; the
+worker reconnects, and may go on writing with the attempts it lost.
 
 After every step the invariants read the database:
 
@@ -39,22 +72,27 @@ After every step the invariants read the database:
 4. every sheet row has at most one terminal write (pending->terminal or terminal->any);
 5. no run is stuck: every non-terminal run has its live job (todo for a waiting run,
    doing for a running one, on its lane, for it), a live lease, a due wake, or is picked
-   by the recovery pass (a lapsed lease, an orphan: the design's fixes), or its lane is
-   reported stranded by ``recovery.find_stranded`` (``after_s=0``, the model's now).
+   by the recovery pass (a lapsed lease, a gone owner, an orphan: the design's fixes).
+   Every lane has a worker that serves it and holds its liveness lock, so no lane is
+   stranded: that is never an excuse here.
 
-Time is the model's: every call takes ``now=``. The clock starts an hour ahead of the
-database's, so a time the database stamps (``now()``) is always earlier than one the model
-stamps; the claim and recovery rules move it on. Run ids are numbered in admission order
-(the test replaces admission's ``uuid4``), so statements that take several runs in id order
-spawn their jobs in the same order on every replay: a replay is exact, as Hypothesis needs
-to shrink. No health check is suppressed.
+Time is the model's: every call that takes ``now=`` gets it. The clock starts an hour
+ahead of the database's, so a time the database stamps (``now()``, a worker's beat among
+them) is always earlier than one the model stamps; the claim and recovery rules move it
+on. Run ids are numbered in admission order (the test replaces admission's ``uuid4``), so
+statements that take several runs in id order spawn their jobs in the same order on every
+replay: a replay is exact, as Hypothesis needs to shrink, and a race ends in the same state
+whichever writer the database lets through first. No health check is suppressed.
 
-Reproducing a failure: Hypothesis prints the minimal failing sequence of rules as Python,
-then ``@reproduce_failure(...)`` (paste it on ``test_the_fence_holds_under_random_
+The run is seeded (pytest's ``--hypothesis-seed``, else ``FENCE_MODEL_SEED``, else
+:data:`DEFAULT_SEED`): the same seed sends the same writes, so the minimums are checks, not
+odds. Reproducing a failure: Hypothesis prints the minimal failing sequence of rules as
+Python, then ``@reproduce_failure(...)`` (paste it on ``test_the_fence_holds_under_random_
 interleavings``), and the test adds the seed of the run to the error: ``v/bin/python -m
 pytest tests/integration/test_fence_model.py --hypothesis-seed=N`` replays it. Size:
-``FENCE_MODEL_EXAMPLES`` x ``FENCE_MODEL_STEPS`` (default 25 x 30: about 15 s on an idle
-2-core machine; shrinking a failure takes a minute or two more).
+``FENCE_MODEL_EXAMPLES`` x ``FENCE_MODEL_STEPS`` (default 10 x 75: long sequences reach
+the deep histories stale and zombie writers need, and each example costs a clone of the
+template; the minimums are for that size). Shrinking a failure takes a minute or two more.
 
 A bug it found, fixed and pinned by the test at the end: a live attempt completed another
 run's pending rows by passing that run's write version (``sheet_complete_rows`` now requires
@@ -70,7 +108,8 @@ import random
 import types
 import uuid
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from unittest import mock
@@ -90,6 +129,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queues import admission, lanes, outcomes, receipts, recovery, runs, sheets
 from queues.errors import LaneDraining, LaneReclaimed, SheetSuperseded, StaleAttempt
@@ -98,7 +138,6 @@ from queues.outcomes import FinishStatus
 from queues.queries import q
 from queues.receipts import ClaimOutcome, Scope
 from tests import fence_model_audit as audit
-from tests.conftest import clone_database, drop_database
 
 Conn = psycopg.AsyncConnection[Any]
 T = TypeVar("T")
@@ -116,13 +155,160 @@ ROW_KEYS = ("k0", "k1", "k2")
 STEPS = ("fetch", "score")
 EVENT = "ev"
 MAX_UNFINISHED = 3  # runs in flight at once
-MAX_RUNS = 8  # runs admitted in one example
+MAX_RUNS = 16  # runs admitted in one example
 STEP_LEASE_S = 20.0
 DB_PREFIX = "wq_fence_model_"
 KEYS = st.lists(st.sampled_from(ROW_KEYS), min_size=1, max_size=len(ROW_KEYS), unique=True)
 WRITERS = st.sampled_from(["held", "latest", "live", "zombie", "impostor"])  # FenceModel.pick
+DEFAULT_SEED = 2  # its run tries every kind of write on every path, at least 3 of each
+BEAT_S = 10  # how often a worker that is not paused renews its leases as time passes
+
+# The write paths the rules cover, with the kind of the wq_refusals row that each path's
+# statement logs when the fence refuses it (None: its answer says what it renewed, and
+# it logs nothing).
+REFUSAL_LOG: dict[str, str | None] = {
+    "lease renewal": None,  # run_heartbeat
+    "step leases": "receipt",  # receipt_extend_leases
+    "step claim": "receipt",  # receipt_claim
+    "step complete": "receipt",  # receipt_finish
+    "step page": "receipt",  # receipt_complete_many
+    "admit page": "admission",  # sheet_intent_claim, sheet_version_mint
+    "complete rows": "rows",  # sheet_complete_rows
+    "emit": "emit",  # event_emit, from a play
+    "final write": "final",  # run_finish_batch: suspend, hand back, finish
+}
+NOT_LIVE = ("stale", "zombie", "impostor")  # FenceModel.before
+# The answers the fence allows a live writer and any other, per path (None: any other path).
+ANSWERS: dict[str | None, tuple[set[str], set[str]]] = {
+    None: ({"applied"}, {"refused"}),
+    # A live attempt's completion of a step it does not hold is refused by the receipt.
+    "step complete": ({"applied", "not held"}, {"refused"}),
+    # Cancel is final: a live attempt's other outcome waits for its cleanup. A final write
+    # whose outcome its attempt row already has is a replay of an applied one.
+    "final write": ({"applied", "cancel pending"}, {"refused", "replayed"}),
+}
+RACE_PATHS = tuple(REFUSAL_LOG)
+
+# The least a run of the default size and seed must try. The run is seeded, so it sends
+# the same writes every time; each minimum is half of what the default seed sends
+# (rounded down, at least 1; the seed's counts are in the comments, and -s prints them).
+# Half, not all: a model that draws other sequences from the same seed (a rule added or
+# changed) need not be re-counted unless it tries some kind of write on some path far less
+# often, or never, which is what these catch. Another seed (FENCE_MODEL_SEED) explores
+# other sequences and may fall short of a minimum without the fence being at fault.
+# Why the counts differ:
+# - final writes are the most numerous: three rules end an attempt (suspend, hand back,
+#   finish), with any writer, and most attempts drawn are no longer live;
+# - every claim that enters its play admits a page: the most live writes;
+# - stale and zombie writers need a history (a lapse, a rescue, another worker's claim):
+#   every example starts with one of each (FenceModel.start), later ones come by chance;
+# - a step's completion is sent alone, or after a live attempt's claim it may execute, or
+#   by a race: the fewest writes.
+REFUSED_AT_LEAST: dict[str, dict[str, int]] = {  # path: refused stale, zombie, impostor
+    "lease renewal": {"stale": 6, "zombie": 7, "impostor": 5},  # seed: 13, 14, 11
+    "step leases": {"stale": 6, "zombie": 5, "impostor": 5},  # seed: 13, 11, 11
+    "step claim": {"stale": 17, "zombie": 5, "impostor": 9},  # seed: 35, 10, 18
+    "step complete": {"stale": 2, "zombie": 3, "impostor": 3},  # seed: 4, 6, 6
+    "step page": {"stale": 5, "zombie": 5, "impostor": 2},  # seed: 10, 10, 5
+    "admit page": {"stale": 7, "zombie": 7, "impostor": 5},  # seed: 14, 14, 10
+    "complete rows": {"stale": 6, "zombie": 5, "impostor": 4},  # seed: 12, 10, 9
+    "emit": {"stale": 2, "zombie": 4, "impostor": 3},  # seed: 5, 9, 6
+    "final write": {"stale": 32, "zombie": 24, "impostor": 14},  # seed: 65, 49, 29
+}
+APPLIED_AT_LEAST: dict[str, int] = {  # path: applied live writes
+    "lease renewal": 4,  # seed: 8
+    "step leases": 2,  # seed: 5
+    "step claim": 6,  # seed: 12
+    "step complete": 1,  # seed: 3
+    "step page": 2,  # seed: 5
+    "admit page": 31,  # seed: 62
+    "complete rows": 5,  # seed: 10
+    "emit": 5,  # seed: 11
+    "final write": 9,  # seed: 18
+}
+# Races, one rule among sixteen racing one to three paths: per path (any rival) and per
+# kind of rival (any path). Impostors are raced the most: every running run has one, an
+# earlier attempt by its own worker (a zombie) or by another (stale) only after a lapse,
+# a lost session or a claim by another worker.
+RACED_AT_LEAST: dict[str, int] = {
+    "lease renewal": 3,  # seed: 6
+    "step leases": 1,  # seed: 3
+    "step claim": 3,  # seed: 6
+    "step complete": 1,  # seed: 3
+    "step page": 1,  # seed: 3
+    "admit page": 2,  # seed: 4
+    "complete rows": 2,  # seed: 5
+    "emit": 4,  # seed: 9
+    "final write": 2,  # seed: 4
+}
+RACED_AT_LEAST_BY_RIVAL = {"stale": 2, "zombie": 6, "impostor": 13}  # seed: 4, 12, 27
+# Leases: lapsed ones rescued by a pass (a paused worker's, past 30 s), ones a pass kept
+# only because a beat renewed them (past their claim's 30 s), and lost sessions' leases
+# rescued before they lapsed (two in every example's start).
+LEASES_AT_LEAST = {
+    "lapsed, rescued by a pass": 2,  # seed: 4
+    "kept by a pass thanks to a renewal": 6,  # seed: 12
+    "rescued from a lost session before they lapsed": 15,  # seed: 30
+}
+
 _databases = itertools.count()
 OUTCOMES: Counter[str] = Counter()  # what the rules saw, over all examples of one test
+# (path, writer kind, answer) of every write sent, over all examples of one test.
+TRIED: Counter[tuple[str, str, str]] = Counter()
+RACED: Counter[tuple[str, str]] = Counter()  # (path, rival's kind) of every race
+LEASES: Counter[str] = Counter()  # what the recovery passes did with the leases they saw
+
+BEFORE_SQL = """
+SELECT r.state::text, r.attempt, r.lease_owner, r.cancel_requested_at IS NOT NULL,
+       (SELECT a.outcome::text FROM wq_attempts a
+         WHERE a.run_id = r.id AND a.attempt = %(attempt)s),
+       (SELECT coalesce(max(f.id), 0) FROM wq_refusals f)
+  FROM wq_runs r
+ WHERE r.id = %(run_id)s
+"""
+LOGGED_SQL = """
+SELECT count(*)
+  FROM wq_refusals
+ WHERE id > %(mark)s AND run_id = %(run_id)s AND attempt = %(attempt)s
+   AND worker_id = %(owner)s AND kind = %(kind)s
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Before:
+    """What the database said of a writer's attempt just before its write."""
+
+    kind: str  # live, stale, zombie or impostor (FenceModel.before)
+    cancel: bool  # a cancel is pending on its run
+    outcome: str | None  # its attempt row's outcome (None: it has none, an impostor's)
+    mark: int  # the newest wq_refusals id: a refusal of this write comes after it
+
+    @property
+    def live(self) -> bool:
+        return self.kind == "live"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What a write came back with: ``applied``, ``refused``, ``replayed`` (a final write
+    applied earlier), ``cancel pending`` (a final write held back by a cancel request) or
+    ``not held`` (a live attempt's completion of a step it does not hold)."""
+
+    result: str
+    detail: Any = None
+
+
+async def until(
+    probe: Callable[[], Awaitable[T | None]], *, interval: float, timeout: float = 30.0
+) -> T:
+    """Poll ``probe`` until it returns a truthy value, and return it; fail at the deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        assert asyncio.get_running_loop().time() < deadline, f"still {value!r} after {timeout} s"
+        await asyncio.sleep(interval)
 
 
 class FenceModel(RuleBasedStateMachine):
@@ -130,13 +316,16 @@ class FenceModel(RuleBasedStateMachine):
 
     attempts = Bundle("attempts")
 
-    def __init__(self, admin_url: str) -> None:
+    def __init__(self, admin_url: str, template_url: str) -> None:
         super().__init__()
         self.admin_url = admin_url
-        self.loop = asyncio.new_event_loop()
+        self.template = conninfo_to_dict(template_url)["dbname"]
         self.dbname = f"{DB_PREFIX}{os.getpid()}_{next(_databases)}"
+        self.url = make_conninfo(admin_url, dbname=self.dbname)
+        self.loop = asyncio.new_event_loop()
         self.conns: dict[str, Conn] = {}
         self.app: Conn | None = None
+        self.racer: Conn | None = None  # a second session for the rival writer of a race
         self.t0 = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
         self.offset = timedelta(0)  # the model's clock is t0 + offset
         self.rng = random.Random(0)  # the recovery pass's jitter (the lanes have none)
@@ -145,6 +334,8 @@ class FenceModel(RuleBasedStateMachine):
         self.claims: dict[Fence, runs.Claimed] = {}
         self.latest: dict[str, Fence] = {}  # the last attempt each worker claimed
         self.by_number: dict[tuple[uuid.UUID, int], Fence] = {}  # (run, attempt) -> claim
+        self.granted: dict[Fence, datetime] = {}  # the lease each claim granted
+        self.lease: dict[Fence, datetime] = {}  # what its claim or its last renewal granted
         self.legacy: dict[tuple[Fence, str], int] = {}  # (attempt, sheet) -> its version
         self.intent: dict[tuple[uuid.UUID, str], int] = {}  # (run, sheet) -> its intent
         self.last: dict[tuple[Fence, str], int] = {}  # the version an attempt last admitted
@@ -153,6 +344,7 @@ class FenceModel(RuleBasedStateMachine):
         self.versions: dict[str, dict[int, uuid.UUID]] = {sheet: {} for sheet in SHEETS}
         self.seen_cancelled: set[uuid.UUID] = set()
         self.unfinished = 0  # non-terminal runs, as the last invariant check saw them
+        self.running: list[uuid.UUID] = []  # running runs, as the last check saw them
         self.lane_ops = 0
         # Run ids in admission order: statements that take several runs in id order (an
         # emit waking sleepers, a recovery batch) then spawn their jobs in the same order
@@ -187,8 +379,8 @@ class FenceModel(RuleBasedStateMachine):
         return self.app
 
     async def _setup(self) -> None:
-        url = await clone_database(self.admin_url, self.dbname)
-        self.app = await psycopg.AsyncConnection.connect(url, autocommit=True)
+        await self._admin(f"CREATE DATABASE {self.dbname} TEMPLATE {self.template}")
+        self.app = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
         await audit.install(self.app)
         for release, budget in zip(RELEASES, (2, 3), strict=True):
             await lanes.prepare(self.app, release)
@@ -198,17 +390,23 @@ class FenceModel(RuleBasedStateMachine):
                 self.app, release, retry_max_attempts=budget, retry_base_s=0.0, retry_jitter=0.0
             )
         for worker, served in WORKERS.items():
-            conn = await psycopg.AsyncConnection.connect(url, autocommit=True)
-            self.conns[worker] = conn
             await runs.register_worker(
-                conn, worker_id=worker, lanes=served, release="model", host="model", pid=1
+                self.db, worker_id=worker, lanes=served, release="model", host="model", pid=1
             )
-        await self._workers_alive()
+            await self._connect(worker)
 
-    async def _workers_alive(self) -> None:
-        # runs.worker_heartbeat stamps the database's clock and the model's runs ahead of
-        # it, so the harness stamps the model's: every worker is live at the model's now.
-        await self.db.execute("UPDATE wq_workers SET heartbeat_at = %s", (self.now(),))
+    async def _connect(self, worker: str) -> None:
+        """Open ``worker``'s session and hold its liveness lock there, as a worker does on
+        its LISTEN session: while the session lasts the worker is not gone."""
+        conn = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        self.conns[worker] = conn
+        await runs.hold_liveness(conn, worker)
+        await runs.worker_heartbeat(conn, worker)
+
+    async def _racer(self) -> Conn:
+        if self.racer is None:
+            self.racer = await psycopg.AsyncConnection.connect(self.url, autocommit=True)
+        return self.racer
 
     def teardown(self) -> None:
         try:
@@ -227,35 +425,74 @@ class FenceModel(RuleBasedStateMachine):
             ):
                 for what, count in await self._fetch(sql):
                     OUTCOMES[what] += count
-        for conn in [*self.conns.values(), self.app]:
+        for conn in [*self.conns.values(), self.racer, self.app]:
             if conn is not None:
                 await conn.close()
-        await drop_database(self.admin_url, self.dbname)
+        await self._admin(f"DROP DATABASE IF EXISTS {self.dbname} WITH (FORCE)")
+
+    async def _admin(self, statement: str) -> None:
+        async with await psycopg.AsyncConnection.connect(self.admin_url, autocommit=True) as admin:
+            await admin.execute(statement.encode())
 
     async def _fetch(self, sql: Any, params: Any = None) -> list[Any]:
         cur = await self.db.execute(sql, params)
         return list(await cur.fetchall())
 
+    def _one(self, sql: Any, params: Any) -> Any:
+        rows = self.run(self._fetch(sql, params))
+        return rows[0][0] if rows else None
+
+    async def _as(self, fence: Fence, conn: Conn, write: Awaitable[T]) -> T:
+        """Run a write of ``fence`` on ``conn``, naming ``fence`` to the audit triggers as the
+        writer (so they can tell whose write landed on which run's row)."""
+        async with audit.writing_as(conn, fence):
+            return await write
+
     def write(self, fence: Fence, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a write of ``fence`` on its worker's connection, naming ``fence`` to the audit
-        triggers as the writer (so they can tell whose write landed on which run's row)."""
+        """Run a write of ``fence`` on its worker's connection (see :meth:`_as`)."""
+        return self.run(self._as(fence, self.conns[fence.owner], coro))
 
-        async def write() -> T:
-            async with audit.writing_as(self.conns[fence.owner], fence):
-                return await coro
+    def before(self, fence: Fence) -> Before:
+        """Classify ``fence`` by its run's row now (the oracle for the fence's answer):
 
-        return self.run(write())
-
-    def live(self, fence: Fence) -> bool:
-        """Whether ``fence`` is its run's live attempt: the oracle for the fence's answer."""
-        rows = self.run(
-            self._fetch(
-                "SELECT state::text, attempt, lease_owner FROM wq_runs WHERE id = %s",
-                (fence.run_id,),
-            )
-        )
+        - ``live``: the run is running at its attempt under its worker's lease;
+        - ``impostor``: its worker never held that attempt;
+        - ``zombie``: an earlier attempt of its run, held by the worker of the run's latest;
+        - ``stale``: any other attempt its worker held (lapsed, rescued, superseded by
+          another worker's, or its run moved on).
+        """
+        rows = self.run(self._fetch(BEFORE_SQL, {"run_id": fence.run_id, "attempt": fence.attempt}))
         assert rows, f"run {fence.run_id} vanished"
-        return bool(rows[0] == ("running", fence.attempt, fence.owner))
+        state, number, owner, cancel, outcome, mark = rows[0]
+        if (state, number, owner) == ("running", fence.attempt, fence.owner):
+            kind = "live"
+        elif fence not in self.claims:
+            kind = "impostor"
+        elif fence.attempt < number and self.by_number[(fence.run_id, number)].owner == fence.owner:
+            kind = "zombie"
+        else:
+            kind = "stale"
+        return Before(kind, bool(cancel), outcome, int(mark))
+
+    def settle(self, path: str, fence: Fence, seen: Before, answer: Answer) -> None:
+        """Check ``answer`` against the fence's rule for a writer classified as ``seen``, and
+        its refusal log: one ``wq_refusals`` row for a refused write on a path that logs
+        them, none for any other answer. Count the write."""
+        allowed = ANSWERS.get(path, ANSWERS[None])[0 if seen.live else 1]
+        assert answer.result in allowed, (
+            f"{path} by the {seen.kind} attempt {fence} was {answer.result}, not one of "
+            f"{sorted(allowed)}: {answer.detail}"
+        )
+        kind = REFUSAL_LOG[path]
+        if kind is not None:
+            params = {"mark": seen.mark, "kind": kind, **fence.params()}
+            logged = self._one(LOGGED_SQL, params)
+            expected = 1 if answer.result == "refused" else 0
+            assert logged == expected, (
+                f"{path} by the {seen.kind} attempt {fence} was {answer.result}: {logged} "
+                f"{kind!r} refusals logged, expected {expected}"
+            )
+        TRIED[(path, seen.kind, answer.result)] += 1
 
     def pick(self, attempt: Fence, writer: str) -> Fence:
         """Who writes, from the attempt drawn (any attempt a worker ever held):
@@ -284,26 +521,190 @@ class FenceModel(RuleBasedStateMachine):
             earlier = [self.by_number[(attempt.run_id, n)] for n in range(number - 1, 0, -1)]
             return next((f for f in earlier if f.owner == owner), earlier[0])
         if writer == "impostor":
-            owner = self.by_number[(attempt.run_id, number)].owner
-            names = sorted(WORKERS)
-            return Fence(attempt.run_id, number, names[(names.index(owner) + 1) % len(names)])
+            return self.impostor(attempt.run_id, number)
         return attempt
 
-    def _one(self, sql: Any, params: Any) -> Any:
-        rows = self.run(self._fetch(sql, params))
-        return rows[0][0] if rows else None
+    def impostor(self, run_id: uuid.UUID, number: int) -> Fence:
+        """Attempt ``number`` of the run under the worker after its holder (w1 -> w2 -> w3 ->
+        w1), which never held it."""
+        owner = self.by_number[(run_id, number)].owner
+        names = sorted(WORKERS)
+        return Fence(run_id, number, names[(names.index(owner) + 1) % len(names)])
+
+    # ---- the writes: each sends one write of a fence on a connection and answers --------
+
+    async def _renew(self, fence: Fence, conn: Conn) -> Answer:
+        leases = [(fence.run_id, fence.attempt)]
+        renewed = await runs.heartbeat(conn, worker_id=fence.owner, leases=leases, now=self.now())
+        return Answer("applied" if renewed else "refused", renewed)
+
+    async def _extend(self, fence: Fence, conn: Conn) -> Answer:
+        try:
+            n = await receipts.extend_leases(
+                conn, fence=fence, lease_s=STEP_LEASE_S, now=self.now()
+            )
+        except StaleAttempt as error:
+            return Answer("refused", error)
+        return Answer("applied", n)
+
+    def _step_ref(self, fence: Fence, key: str, shared: bool) -> dict[str, Any]:
+        scope = Scope.named("shared") if shared else Scope.of_run(fence.run_id)
+        return {"org": ORG, "play": PLAY, "scope": scope, "step_key": key, "now": self.now()}
+
+    async def _step_claim(self, fence: Fence, conn: Conn, key: str, shared: bool) -> Answer:
+        ref = self._step_ref(fence, key, shared)
+        try:
+            claim = await receipts.claim(conn, **ref, fence=fence, lease_s=STEP_LEASE_S)
+        except StaleAttempt as error:
+            return Answer("refused", error)
+        return Answer("applied", claim)
+
+    async def _step_complete(
+        self, fence: Fence, conn: Conn, key: str, shared: bool, live: bool
+    ) -> Answer:
+        ref = self._step_ref(fence, key, shared)
+        result: dict[str, str | int] = {"by": fence.owner, "attempt": fence.attempt}
+        try:
+            await receipts.complete(conn, **ref, fence=fence, result=result)
+        except StaleAttempt as error:
+            # Refused either way, nothing written; a live attempt that does not hold the
+            # step is refused by the receipt, not by the attempt fence.
+            return Answer("not held" if live else "refused", error)
+        return Answer("applied")
+
+    async def _step_page(self, fence: Fence, conn: Conn, shared: bool) -> Answer:
+        scope = Scope.named("shared") if shared else Scope.of_run(fence.run_id)
+        result: dict[str, str | int] = {"by": fence.owner, "attempt": fence.attempt}
+        try:
+            page = await receipts.complete_many(
+                conn,
+                org=ORG,
+                play=PLAY,
+                scope=scope,
+                fence=fence,
+                results=[(step, result) for step in STEPS],
+                now=self.now(),
+            )
+        except StaleAttempt as error:
+            return Answer("refused", error)
+        return Answer("applied", page)
+
+    async def _admit(
+        self, fence: Fence, conn: Conn, sheet: str, keys: list[str], stable: bool
+    ) -> Answer:
+        # Pass back what this attempt (legacy) or any attempt of its run (stable intent)
+        # was given before: a stable intent must be the same for every attempt of a run.
+        known = (
+            self.intent.get((fence.run_id, sheet)) if stable else self.legacy.get((fence, sheet))
+        )
+        try:
+            admitted = await sheets.admit_page(
+                conn,
+                org=ORG,
+                sheet=sheet,
+                fence=fence,
+                rows=[(key, {"key": key}) for key in keys],
+                write_version=known,
+                stable_intent=stable,
+            )
+        except StaleAttempt as error:
+            return Answer("refused", error)
+        return Answer("applied", admitted)
+
+    async def _complete(
+        self,
+        fence: Fence,
+        conn: Conn,
+        sheet: str,
+        keys: list[str],
+        status: sheets.RowStatus,
+        write_version: int | None,
+    ) -> Answer:
+        output: dict[str, str | int] = {"by": fence.owner, "attempt": fence.attempt}
+        try:
+            result = await sheets.complete_rows(
+                conn,
+                org=ORG,
+                sheet=sheet,
+                fence=fence,
+                write_version=write_version,
+                completions=[sheets.RowCompletion(key, output, status) for key in keys],
+            )
+        except SheetSuperseded as error:
+            # The attempt fence refused it: every row is stale_attempt, and it always raises.
+            assert error.counts == {"stale_attempt": len(keys)}, (
+                f"completion by {fence} raised {error.counts}: {error}"
+            )
+            return Answer("refused", error)
+        assert not result.attempt_stale, result
+        return Answer("applied", result)
+
+    async def _emit(self, fence: Fence, conn: Conn) -> Answer:
+        try:
+            emitted = await runs.emit(conn, org=ORG, name=EVENT, payload={"n": 1}, fence=fence)
+        except StaleAttempt as error:
+            return Answer("refused", error)
+        return Answer("applied", emitted)
+
+    async def _final(self, fence: Fence, conn: Conn, final: outcomes.Finish) -> Answer:
+        statuses = await runs.finish(conn, worker_id=fence.owner, finishes=[final])
+        status = statuses[(fence.run_id, fence.attempt)]
+        return Answer(
+            {
+                FinishStatus.APPLIED: "applied",
+                FinishStatus.REFUSED: "refused",
+                FinishStatus.REPLAYED: "replayed",
+                FinishStatus.CANCEL_PENDING: "cancel pending",
+            }[status],
+            status,
+        )
+
+    def expected_final(self, seen: Before, final: outcomes.Finish) -> str:
+        """The answer the fence owes a final write of an attempt classified as ``seen``."""
+        if seen.live:
+            pending = seen.cancel and final.outcome is not outcomes.Outcome.CANCELLED
+            return "cancel pending" if pending else "applied"
+        if seen.outcome == str(final.outcome):
+            return "replayed"  # an earlier copy of this write was applied
+        return "refused"
+
+    def admitted(
+        self, fence: Fence, sheet: str, keys: list[str], result: sheets.AdmitResult
+    ) -> None:
+        """Remember what an applied admission gave ``fence``."""
+        if result.stable_intent:
+            self.intent[(fence.run_id, sheet)] = result.write_version
+        else:
+            self.legacy[(fence, sheet)] = result.write_version
+        self.versions[sheet][result.write_version] = fence.run_id
+        self.last[(fence, sheet)] = result.write_version
+        self.page[(fence, sheet)] = keys
 
     # ---- admission, claims, heartbeats ----------------------------------------------------
 
     @initialize(target=attempts)
     def start(self) -> Any:
-        """Every example starts with a run on each lane (ma on sheet s1, mb on s2), claimed
-        by w1 and w3: every rule has an attempt to write with from the first step."""
+        """Every example starts with two runs (:meth:`start_runs`) whose workers then lose
+        their sessions: their leases are rescued, and the runs are claimed again, ma's by w2
+        and mb's by w3, both entering their plays again (under the same write intent). So
+        from the first rule on every kind of writer is at hand, whatever the seed: two live
+        attempts, a stale one (w1's, of ma's run), a zombie (w3's first, of mb's) and the
+        impostors of both runs."""
+        first = self.start_runs()
+        for worker in ("w1", "w3"):
+            self.run(self._lose_session(worker))
+        again = [*self.claim("w2", 0, True).values, *self.claim("w3", 0, True).values]
+        assert [f.attempt for f in again] == [2, 2], again
+        return multiple(*first, *again)
+
+    def start_runs(self) -> list[Fence]:
+        """Admit a run on each lane (ma on sheet s1, mb on s2), claimed by w1 and w3, both
+        entering their plays."""
         for release, sheet in zip(RELEASES, SHEETS, strict=True):
             self.admit(release, sheet)
         started = [*self.claim("w1", 0, True).values, *self.claim("w3", 0, True).values]
         assert len(started) == 2, started
-        return multiple(*started)
+        return started
 
     @precondition(lambda self: self.unfinished < MAX_UNFINISHED and len(self.run_ids) < MAX_RUNS)
     @rule(release=st.sampled_from(RELEASES), sheet=st.sampled_from(SHEETS))
@@ -326,17 +727,17 @@ class FenceModel(RuleBasedStateMachine):
         advance_s=st.sampled_from([0, 5]),
         enter_play=st.booleans(),
     )
-    def claim(self, worker: str, advance_s: int, enter_play: bool = False) -> Any:
-        """A worker claims its lanes' next due run, ``advance_s`` later (a wake may be due);
-        with ``enter_play``, the play starts as plays do: it admits its page (every key)
-        under the run's stable write intent."""
+    def claim(self, worker: str, advance_s: int, enter_play: bool = False, limit: int = 1) -> Any:
+        """A worker claims its lanes' next due run (up to ``limit``), ``advance_s`` later (a
+        wake may be due); with ``enter_play``, the play starts as plays do: it admits its
+        page (every key) under the run's stable write intent."""
         self.offset += timedelta(seconds=advance_s)
         got = self.run(
             runs.claim(
                 self.conns[worker],
                 lanes=WORKERS[worker],
                 worker_id=worker,
-                limit=1,
+                limit=limit,
                 plays=[PLAY],
                 now=self.now(),
             )
@@ -347,10 +748,12 @@ class FenceModel(RuleBasedStateMachine):
                 self.saw("claim: delivery dropped")
                 continue
             fence = claimed.fence(worker)
-            assert self.live(fence), f"{worker} claimed {fence} but does not hold it"
+            assert self.before(fence).live, f"{worker} claimed {fence} but does not hold it"
+            assert claimed.lease_expires_at is not None, claimed
             self.claims[fence] = claimed
             self.latest[worker] = fence
             self.by_number[(fence.run_id, fence.attempt)] = fence
+            self.granted[fence] = self.lease[fence] = claimed.lease_expires_at
             fences.append(fence)
             self.saw("claim: cleanup-only attempt" if claimed.cleanup else "claim")
             if enter_play:
@@ -366,37 +769,28 @@ class FenceModel(RuleBasedStateMachine):
 
     @rule(attempt=attempts, writer=WRITERS)
     def heartbeat(self, attempt: Fence, writer: str) -> None:
-        """The worker's heartbeat: renew the lease, then extend the attempt's step leases
-        (the real one extends only renewed attempts; a zombie's may send any), in one batch
-        statement and through the per-attempt call."""
+        """The worker's heartbeat: renew the lease, extend the attempt's step leases (the
+        real one extends only renewed attempts; a zombie's may send any), in one batch
+        statement and through the per-attempt call, and beat as the worker."""
         attempt = self.pick(attempt, writer)
-        live = self.live(attempt)
         conn, leases = self.conns[attempt.owner], [(attempt.run_id, attempt.attempt)]
-        renewed = self.run(
-            runs.heartbeat(conn, worker_id=attempt.owner, leases=leases, now=self.now())
-        )
-        assert bool(renewed) == live, f"heartbeat of {attempt} (live={live}): {renewed}"
+        seen = self.before(attempt)
+        renewed = self.write(attempt, self._renew(attempt, conn))
+        self.settle("lease renewal", attempt, seen, renewed)
+        if renewed.result == "applied":
+            self.lease[attempt] = renewed.detail[0].lease_expires_at
         self.write(
             attempt,
             receipts.extend_for_attempts(
                 conn, owner=attempt.owner, leases=leases, lease_s=STEP_LEASE_S, now=self.now()
             ),
         )
-        try:  # the same through the per-attempt call, which says when it is refused
-            self.write(
-                attempt,
-                receipts.extend_leases(conn, fence=attempt, lease_s=STEP_LEASE_S, now=self.now()),
-            )
-        except StaleAttempt:
-            assert not live, f"the live attempt {attempt} was refused its step leases"
-        else:
-            assert live, f"the stale attempt {attempt} extended its step leases"
-        self.saw(f"heartbeat: {'renewed' if live else 'refused'}")
+        # The same through the per-attempt call, which says when it is refused.
+        self.settle("step leases", attempt, seen, self.write(attempt, self._extend(attempt, conn)))
+        self.run(runs.worker_heartbeat(conn, attempt.owner))
+        self.saw(f"heartbeat: {'renewed' if seen.live else 'refused'}")
 
     # ---- steps ------------------------------------------------------------------------------
-
-    def _scope(self, attempt: Fence, shared: bool) -> Scope:
-        return Scope.named("shared") if shared else Scope.of_run(attempt.run_id)
 
     @rule(
         attempt=attempts,
@@ -410,52 +804,24 @@ class FenceModel(RuleBasedStateMachine):
         come later, maybe stale), or only complete it (a late completion); or complete a
         ``page`` of steps (every step key) in one statement, as row-level work does."""
         attempt = self.pick(attempt, writer)
-        live = self.live(attempt)
         conn = self.conns[attempt.owner]
-        scope = Scope.named("shared") if shared else Scope.of_run(attempt.run_id)
-        result = {"by": attempt.owner, "attempt": attempt.attempt}
+        seen = self.before(attempt)
         if op == "page":
-            try:
-                page = self.write(
-                    attempt,
-                    receipts.complete_many(
-                        conn,
-                        org=ORG,
-                        play=PLAY,
-                        scope=scope,
-                        fence=attempt,
-                        results=[(step, result) for step in STEPS],
-                        now=self.now(),
-                    ),
-                )
-            except StaleAttempt:
-                assert not live, f"the live attempt {attempt} was refused a page of steps"
-                self.saw("step page: refused (stale)")
-                return
-            assert live, f"the stale attempt {attempt} completed a page of steps: {page}"
-            self.saw(f"step page: completed {len(page.completed)}")
+            page = self.write(attempt, self._step_page(attempt, conn, shared))
+            self.settle("step page", attempt, seen, page)
+            applied = page.result == "applied"
+            detail = f"completed {len(page.detail.completed)}" if applied else page.result
+            self.saw(f"step page: {detail}")
             return
-        ref = {"org": ORG, "play": PLAY, "step_key": key, "fence": attempt, "now": self.now()}
-        ref["scope"] = scope
         if op != "complete":
-            try:
-                claim = self.write(attempt, receipts.claim(conn, **ref, lease_s=STEP_LEASE_S))
-            except StaleAttempt:
-                assert not live, f"the live attempt {attempt} was refused a step claim"
-                self.saw("step claim: refused (stale)")
+            claim = self.write(attempt, self._step_claim(attempt, conn, key, shared))
+            self.settle("step claim", attempt, seen, claim)
+            self.saw(f"step claim: {claim.detail.outcome if seen.live else claim.result}")
+            if op == "claim" or not seen.live or claim.detail.outcome is not ClaimOutcome.EXECUTE:
                 return
-            assert live, f"the stale attempt {attempt} claimed step {key}: {claim}"
-            self.saw(f"step claim: {claim.outcome}")
-            if op == "claim" or claim.outcome is not ClaimOutcome.EXECUTE:
-                return
-        try:
-            self.write(attempt, receipts.complete(conn, **ref, result=result))
-        except StaleAttempt:
-            # Stale, or live but not holding the step: refused either way, nothing written.
-            self.saw(f"step complete: refused ({'not held' if live else 'stale'})")
-            return
-        assert live, f"the stale attempt {attempt} completed step {key}"
-        self.saw("step complete: written")
+        done = self.write(attempt, self._step_complete(attempt, conn, key, shared, seen.live))
+        self.settle("step complete", attempt, seen, done)
+        self.saw(f"step complete: {done.result}")
 
     # ---- sheets -----------------------------------------------------------------------------
 
@@ -471,6 +837,24 @@ class FenceModel(RuleBasedStateMachine):
         attempt = self.pick(attempt, writer)
         self._admit_page(attempt, self.sheet_of[attempt.run_id], keys or list(ROW_KEYS), stable)
 
+    def _admit_page(self, attempt: Fence, sheet: str, keys: list[str], stable: bool) -> None:
+        seen = self.before(attempt)
+        answer = self.write(
+            attempt, self._admit(attempt, self.conns[attempt.owner], sheet, keys, stable)
+        )
+        self.settle("admit page", attempt, seen, answer)
+        if answer.result == "refused":
+            self.saw("admit page: refused (stale)")
+            return
+        self.admitted(attempt, sheet, keys, answer.detail)
+        for disposition in answer.detail.counts():
+            self.saw(f"admit page: {'intent' if stable else 'legacy'} {disposition}")
+
+    def version_of(self, attempt: Fence, sheet: str) -> int | None:
+        """The version ``attempt`` admitted last on ``sheet``; if none, its run's write intent
+        (every attempt of the run shares it), if any."""
+        return self.last.get((attempt, sheet), self.intent.get((attempt.run_id, sheet)))
+
     @rule(
         attempt=attempts,
         writer=WRITERS,
@@ -484,9 +868,9 @@ class FenceModel(RuleBasedStateMachine):
         self, attempt: Fence, writer: str, keys: list[str] | None, status: str, version: str
     ) -> None:
         """Complete rows (``keys``, None: the page the attempt admitted last, as a play does)
-        as ``status``, under the version the attempt admitted last (``mine``; if none, its
-        run's write intent: every attempt of the run shares it), none, the oldest or newest
-        version any attempt of its run admitted, or the newest another run admitted."""
+        as ``status``, under the version the attempt admitted last (``mine``: see
+        :meth:`version_of`), none, the oldest or newest version any attempt of its run
+        admitted, or the newest another run admitted."""
         attempt = self.pick(attempt, writer)
         sheet = self.sheet_of[attempt.run_id]
         if keys is None:
@@ -494,113 +878,46 @@ class FenceModel(RuleBasedStateMachine):
         ours = sorted(v for v, run in self.versions[sheet].items() if run == attempt.run_id)
         theirs = sorted(v for v, run in self.versions[sheet].items() if run != attempt.run_id)
         write_version = {
-            "mine": self.last.get((attempt, sheet), self.intent.get((attempt.run_id, sheet))),
+            "mine": self.version_of(attempt, sheet),
             "unversioned": None,
-            "run's oldest": (ours or [None])[0],
-            "run's newest": (ours or [None])[-1],
-            "another run's": (theirs or [None])[-1],
+            "run's oldest": ours[0] if ours else None,
+            "run's newest": ours[-1] if ours else None,
+            "another run's": theirs[-1] if theirs else None,
         }[version]
-        self._complete_rows(attempt, sheet, keys, sheets.RowStatus(status), write_version)
-
-    def _admit_page(self, attempt: Fence, sheet: str, keys: list[str], stable: bool) -> None:
-        # Pass back what this attempt (legacy) or any attempt of its run (stable intent)
-        # was given before: a stable intent must be the same for every attempt of a run.
-        known = (
-            self.intent.get((attempt.run_id, sheet))
-            if stable
-            else self.legacy.get((attempt, sheet))
+        seen = self.before(attempt)
+        answer = self.write(
+            attempt,
+            self._complete(
+                attempt,
+                self.conns[attempt.owner],
+                sheet,
+                keys,
+                sheets.RowStatus(status),
+                write_version,
+            ),
         )
-        live = self.live(attempt)
-        try:
-            admitted = self.write(
-                attempt,
-                sheets.admit_page(
-                    self.conns[attempt.owner],
-                    org=ORG,
-                    sheet=sheet,
-                    fence=attempt,
-                    rows=[(key, {"key": key}) for key in keys],
-                    write_version=known,
-                    stable_intent=stable,
-                ),
-            )
-        except StaleAttempt:
-            assert not live, f"the live attempt {attempt} was refused an admission"
-            self.saw("admit page: refused (stale)")
-            return
-        assert live, f"the stale attempt {attempt} admitted rows: {admitted}"
-        if stable:
-            self.intent[(attempt.run_id, sheet)] = admitted.write_version
-        else:
-            self.legacy[(attempt, sheet)] = admitted.write_version
-        self.versions[sheet][admitted.write_version] = attempt.run_id
-        self.last[(attempt, sheet)] = admitted.write_version
-        self.page[(attempt, sheet)] = keys
-        for disposition in admitted.counts():
-            self.saw(f"admit page: {'intent' if stable else 'legacy'} {disposition}")
-
-    def _complete_rows(
-        self,
-        attempt: Fence,
-        sheet: str,
-        keys: list[str],
-        status: sheets.RowStatus,
-        write_version: int | None,
-    ) -> None:
-        live = self.live(attempt)
-        output = {"by": attempt.owner, "attempt": attempt.attempt}
-        try:
-            result = self.write(
-                attempt,
-                sheets.complete_rows(
-                    self.conns[attempt.owner],
-                    org=ORG,
-                    sheet=sheet,
-                    fence=attempt,
-                    write_version=write_version,
-                    completions=[sheets.RowCompletion(key, output, status) for key in keys],
-                ),
-            )
-        except SheetSuperseded as error:
-            # The attempt fence refused it: every row is stale_attempt, and it always raises.
-            assert not live and error.counts == {"stale_attempt": len(keys)}, (
-                f"completion by {attempt} (live={live}) raised {error.counts}: {error}"
-            )
+        self.settle("complete rows", attempt, seen, answer)
+        if answer.result == "refused":
             self.saw("complete rows: refused (stale)")
             return
-        assert live, f"the stale attempt {attempt} completed rows: {result}"
-        assert not result.attempt_stale, result
-        self.saw(f"complete rows: committed {len(result.committed)}")
-        for row in result.stale:
+        self.saw(f"complete rows: committed {len(answer.detail.committed)}")
+        for row in answer.detail.stale:
             self.saw(f"complete rows: stale {row.reason}")
 
     # ---- the attempt's end: suspend, hand back, finish ------------------------------------
 
     def _finish(self, attempt: Fence, final: outcomes.Finish) -> None:
         """Send ``final`` as the attempt's worker; check the answer against the model."""
-        worker = attempt.owner
-        live = self.live(attempt)
-        cancel = self._one(
-            "SELECT cancel_requested_at IS NOT NULL FROM wq_runs WHERE id = %s", (attempt.run_id,)
+        seen = self.before(attempt)
+        answer = self.run(self._final(attempt, self.conns[attempt.owner], final))
+        expected = self.expected_final(seen, final)
+        assert answer.result == expected, (
+            f"{final.outcome} of the {seen.kind} attempt {attempt} (cancel pending="
+            f"{seen.cancel}, attempt outcome before={seen.outcome}): {answer.result}, "
+            f"expected {expected}"
         )
-        before = self._one(
-            "SELECT outcome::text FROM wq_attempts WHERE run_id = %s AND attempt = %s",
-            (attempt.run_id, attempt.attempt),
-        )
-        statuses = self.run(runs.finish(self.conns[worker], worker_id=worker, finishes=[final]))
-        status = statuses[(attempt.run_id, attempt.attempt)]
-        if live:
-            pending = cancel and final.outcome is not outcomes.Outcome.CANCELLED
-            expected = FinishStatus.CANCEL_PENDING if pending else FinishStatus.APPLIED
-        elif before == str(final.outcome):
-            expected = FinishStatus.REPLAYED  # an earlier copy of this write was applied
-        else:
-            expected = FinishStatus.REFUSED
-        assert status is expected, (
-            f"{final.outcome} of {attempt} sent by {worker} (live={live}, cancel "
-            f"pending={cancel}, attempt outcome before={before}): {status}, expected {expected}"
-        )
-        self.saw(f"final {final.outcome}: {status}")
+        self.settle("final write", attempt, seen, answer)
+        self.saw(f"final {final.outcome}: {answer.detail}")
 
     @rule(
         attempt=attempts,
@@ -656,22 +973,14 @@ class FenceModel(RuleBasedStateMachine):
     def emit(self, attempt: Fence, writer: str, fenced: bool) -> None:
         """Emit the event from ``attempt``'s play (fenced) or from the app (unfenced)."""
         attempt = self.pick(attempt, writer)
-        fence = attempt if fenced else None
-        conn = self.conns[attempt.owner] if fenced else self.db
-        live = fenced and self.live(attempt)
-
-        emit = runs.emit(conn, org=ORG, name=EVENT, payload={"n": 1}, fence=fence)
-        try:
-            if fence is None:
-                self.run(emit)
-            else:
-                self.write(fence, emit)
-        except StaleAttempt:
-            assert fenced and not live, f"the live attempt {attempt} could not emit"
-            self.saw("emit: refused (stale)")
+        if not fenced:
+            self.run(runs.emit(self.db, org=ORG, name=EVENT, payload={"n": 1}))
+            self.saw("emit: by the app")
             return
-        assert not fenced or live, f"the stale attempt {attempt} emitted"
-        self.saw("emit: by a live attempt" if fenced else "emit: by the app")
+        seen = self.before(attempt)
+        answer = self.write(attempt, self._emit(attempt, self.conns[attempt.owner]))
+        self.settle("emit", attempt, seen, answer)
+        self.saw(f"emit: {'by a live attempt' if seen.live else 'refused (stale)'}")
 
     @precondition(lambda self: self.unfinished > 0)
     @rule(run=st.integers(0, MAX_RUNS - 1), force=st.booleans())
@@ -683,19 +992,283 @@ class FenceModel(RuleBasedStateMachine):
             self.seen_cancelled.add(run_id)
         self.saw(f"cancel{' (force)' if force else ''}: {result.before} -> {result.after}")
 
-    # ---- recovery and lanes -----------------------------------------------------------------
+    # ---- races ------------------------------------------------------------------------------
 
-    @rule(advance_s=st.sampled_from([45, 5, 20]))
-    def rescue(self, advance_s: int) -> None:
-        """Move the model's clock on and run a recovery pass: 45 s is past every lease
-        (30 s), 20 s past those not renewed by a heartbeat since the last move."""
-        self.offset += timedelta(seconds=advance_s)
-        self.run(self._workers_alive())
-        report = self.run(recovery.run_once(self.db, now=self.now(), rng=self.rng))
+    def rival(self, live: Fence, kind: str) -> Fence | None:
+        """A writer of ``kind`` for ``live``'s run, if it has one: a ``zombie`` (an earlier
+        attempt of the run held by ``live``'s worker), a ``stale`` attempt (an earlier one
+        held by another worker) or an ``impostor`` (every run has one)."""
+        if kind == "impostor":
+            return self.impostor(live.run_id, live.attempt)
+        earlier = [self.by_number[(live.run_id, n)] for n in range(live.attempt - 1, 0, -1)]
+        same = kind == "zombie"
+        return next((f for f in earlier if (f.owner == live.owner) == same), None)
+
+    def _sender(
+        self, path: str, fence: Fence, conn: Conn, live: Fence, key: str
+    ) -> Coroutine[Any, Any, Answer]:
+        """The write of ``path`` a race sends for ``fence`` on ``conn``: what ``live``, the
+        run's live attempt, sends for the same run (the same step, page, rows, version)."""
+        sheet = self.sheet_of[fence.run_id]
+        if path == "lease renewal":
+            write: Coroutine[Any, Any, Answer] = self._renew(fence, conn)
+        elif path == "step leases":
+            write = self._extend(fence, conn)
+        elif path == "step claim":
+            write = self._step_claim(fence, conn, key, False)
+        elif path == "step complete":
+            write = self._step_complete(fence, conn, key, False, fence == live)
+        elif path == "step page":
+            write = self._step_page(fence, conn, False)
+        elif path == "admit page":
+            write = self._admit(fence, conn, sheet, list(ROW_KEYS), True)
+        elif path == "complete rows":
+            keys = self.page.get((live, sheet), list(ROW_KEYS))
+            version = self.version_of(live, sheet)
+            write = self._complete(fence, conn, sheet, keys, sheets.RowStatus.DONE, version)
+        elif path == "emit":
+            write = self._emit(fence, conn)
+        else:
+            write = self._final(fence, conn, outcomes.handed_back(fence.run_id, fence.attempt))
+        return self._as(fence, conn, write)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(
+        run=st.integers(0, MAX_RUNS - 1),
+        kind=st.sampled_from(NOT_LIVE),
+        paths=st.lists(st.sampled_from(RACE_PATHS), min_size=1, max_size=3, unique=True),
+        key=st.sampled_from(STEPS),
+    )
+    def race(self, run: int, kind: str, paths: list[str], key: str) -> None:
+        """Race the live attempt of a running run against a rival of ``kind`` (:meth:`rival`;
+        the ``run``-th of the running runs that have one, modulo their number; an impostor
+        when none has), once per write path of ``paths`` (a final write last: it ends the
+        live attempt): the same write from both, the live one on its worker's session, the
+        rival's on a session of its own, sent at once behind the gate of :meth:`_race`.
+        The answers must be the sequential ones."""
+        lives = [
+            self.by_number[(run_id, number)]
+            for run_id, number in self.run(
+                self._fetch("SELECT id, attempt FROM wq_runs WHERE state = 'running' ORDER BY id")
+            )
+        ]
+        assert lives, "no run is running, but the last check saw some"
+        pairs = [(live, rival) for live in lives if (rival := self.rival(live, kind))]
+        if not pairs:  # no running run has a rival of that kind: race an impostor
+            pairs = [(live, self.impostor(live.run_id, live.attempt)) for live in lives]
+        live, other = pairs[run % len(pairs)]
+        for path in sorted(paths, key=lambda path: path == "final write"):
+            self._race_one(path, live, other, key)
+
+    def _race_one(self, path: str, live: Fence, other: Fence, key: str) -> None:
+        if path == "step complete":  # the live attempt claims the step first, as plays do
+            seen_live = self.before(live)
+            claim = self.write(live, self._step_claim(live, self.conns[live.owner], key, False))
+            self.settle("step claim", live, seen_live, claim)
+        seen = {live: self.before(live), other: self.before(other)}
+        assert seen[live].live, f"{live} of a running run is {seen[live].kind}"
+        assert not seen[other].live, other
+        racer = self.run(self._racer())
+        answers, waited = self.run(
+            self._race(
+                live.run_id,
+                [
+                    (
+                        self.conns[live.owner],
+                        self._sender(path, live, self.conns[live.owner], live, key),
+                    ),
+                    (racer, self._sender(path, other, racer, live, key)),
+                ],
+            )
+        )
+        assert waited[0], (
+            f"{path} by the live attempt {live} was answered while the run's row was locked: "
+            f"its fence was not checked under the run's row lock ({answers[0]})"
+        )
+        for fence, answer in zip((live, other), answers, strict=True):
+            if path == "final write":
+                final = outcomes.handed_back(fence.run_id, fence.attempt)
+                expected = self.expected_final(seen[fence], final)
+                assert answer.result == expected, (
+                    f"raced final write of the {seen[fence].kind} attempt {fence}: "
+                    f"{answer.result}, expected {expected}"
+                )
+            self.settle(path, fence, seen[fence], answer)
+        if path == "lease renewal":
+            self.lease[live] = answers[0].detail[0].lease_expires_at
+        if path == "admit page":
+            self.admitted(live, self.sheet_of[live.run_id], list(ROW_KEYS), answers[0].detail)
+        RACED[(path, seen[other].kind)] += 1
+        self.saw(f"race {path}: {seen[other].kind} {'waited' if waited[1] else 'answered at once'}")
+
+    async def _race(
+        self, run_id: uuid.UUID, writes: list[tuple[Conn, Coroutine[Any, Any, Answer]]]
+    ) -> tuple[list[Answer], list[bool]]:
+        """Send ``writes`` at once, each on its own session, while the app's session holds
+        the run's row lock (the gate), and open the gate once every statement is in flight:
+        waiting for a lock (the gate's, or one the other write took first), or already
+        answered (a fence that fails on the row version a statement reads takes no lock).
+        Returns the answers, and for each write whether it was waiting when the gate opened.
+        """
+        pids = [conn.info.backend_pid for conn, _ in writes]
+        tasks: list[asyncio.Task[Answer]] = []
+        waited: list[bool] = []
+        try:
+            async with self.db.transaction():
+                await self.db.execute("SELECT 1 FROM wq_runs WHERE id = %s FOR UPDATE", (run_id,))
+                tasks = [asyncio.create_task(write) for _, write in writes]
+                waited = await until(lambda: self._in_flight(pids, tasks), interval=0.002)
+        finally:
+            settled = await asyncio.gather(*tasks, return_exceptions=True)
+        answers = []
+        for answer in settled:
+            if isinstance(answer, BaseException):
+                raise answer
+            answers.append(answer)
+        return answers, waited
+
+    async def _in_flight(
+        self, pids: list[int], tasks: list[asyncio.Task[Answer]]
+    ) -> list[bool] | None:
+        """For each write, whether its session waits for a lock; None while one of them
+        neither waits nor has its answer."""
+        cur = await self.db.execute(
+            "SELECT array_agg(cardinality(pg_blocking_pids(p)) > 0 ORDER BY n)"
+            "  FROM unnest(%s::int[]) WITH ORDINALITY AS w(p, n)",
+            (pids,),
+        )
+        row = await cur.fetchone()
+        assert row is not None
+        waiting: list[bool] = row[0]
+        if all(w or task.done() for w, task in zip(waiting, tasks, strict=True)):
+            return waiting
+        return None
+
+    # ---- recovery, liveness and lanes ---------------------------------------------------------
+
+    @rule(
+        advance_s=st.sampled_from([45, 5, 20]),
+        beating=st.frozensets(st.sampled_from(sorted(WORKERS))),
+    )
+    def rescue(self, advance_s: int, beating: frozenset[str]) -> None:
+        """Move the model's clock on, ``advance_s`` seconds, while the workers in ``beating``
+        renew their leases every :data:`BEAT_S` seconds as their heartbeat threads do (the
+        others are paused: stopped, frozen, descheduled), then run a recovery pass. 45 s is
+        past every lease not renewed meanwhile (a lease lasts 30 s), 20 s past those not
+        renewed since the last move. The running runs' leases must be what their claims
+        and renewals granted, and the pass must rescue exactly those that lapsed by the
+        model's clock: no lease a beat renewed, every lease of a paused worker that ran
+        out."""
+        start = self.offset
+        for t in [*range(BEAT_S, advance_s, BEAT_S), advance_s]:
+            self.offset = start + timedelta(seconds=t)
+            if beating:
+                self._beat(sorted(beating))
+        now = self.now()
+        lapsed = set()
+        leases = self.run(
+            self._fetch(
+                "SELECT id, attempt, lease_owner, lease_expires_at FROM wq_runs"
+                " WHERE state = 'running' ORDER BY id"
+            )
+        )
+        for run_id, number, owner, expires in leases:
+            fence = Fence(run_id, number, owner)
+            assert expires == self.lease.get(fence), (
+                f"the lease of {fence} ends at {expires}, but its claim and renewals granted "
+                f"{self.lease.get(fence)}"
+            )
+            if expires < now:
+                lapsed.add(run_id)
+            elif self.granted[fence] < now:
+                LEASES["kept by a pass thanks to a renewal"] += 1
+        report = self.run(recovery.run_once(self.db, now=now, rng=self.rng))
+        rescued = {r.run_id for r in report.expired}
+        assert rescued == lapsed, (
+            f"at {now} the pass rescued {sorted(map(str, rescued))}, but the leases that "
+            f"lapsed were {sorted(map(str, lapsed))} (running: {leases})"
+        )
+        LEASES["lapsed, rescued by a pass"] += len(lapsed)
         self.saw(f"rescue: +{advance_s} s")
+        # Not counted: retention (nothing is old enough), and the stranded lanes the pass
+        # reports, every lane at the model's clock: the workers' beats carry the database's
+        # clock, an hour behind it (no lane is stranded: see invariant 5).
         for what, count in report.counts().items():
-            if count and not what.startswith("deleted"):
+            if count and not what.startswith(("deleted", "stranded")):
                 OUTCOMES[f"recovery: {what}"] += count
+
+    def _beat(self, workers: list[str]) -> None:
+        """One beat of ``workers``' heartbeat threads: each renews, in one statement, the
+        leases of the attempts it runs (its latest attempt of every run it claimed; those
+        no longer live come back unrenewed)."""
+        live = {
+            (run_id, number, owner)
+            for run_id, number, owner in self.run(
+                self._fetch("SELECT id, attempt, lease_owner FROM wq_runs WHERE state = 'running'")
+            )
+        }
+        for worker in workers:
+            mine: dict[uuid.UUID, int] = {}
+            for (run_id, number), fence in self.by_number.items():
+                if fence.owner == worker:
+                    mine[run_id] = max(number, mine.get(run_id, 0))
+            leases = sorted(mine.items())
+            renewed = self.run(
+                runs.heartbeat(self.conns[worker], worker_id=worker, leases=leases, now=self.now())
+            )
+            got = {(r.run_id, r.attempt) for r in renewed}
+            expected = {(run_id, n) for run_id, n in leases if (run_id, n, worker) in live}
+            assert got == expected, f"{worker}'s beat renewed {got}, expected {expected}"
+            for r in renewed:
+                self.lease[Fence(r.run_id, r.attempt, worker)] = r.lease_expires_at
+
+    @precondition(lambda self: bool(self.running))
+    @rule(
+        target=attempts, run=st.integers(0, MAX_RUNS - 1), by=st.sampled_from(["itself", "a peer"])
+    )
+    def lose_session(self, run: int, by: str) -> Any:
+        """The session of the worker of a running run (the ``run``-th, modulo their number)
+        ends (killed, or its link dropped) and its liveness lock with it: a peer's check
+        rescues every lease it held, lapsed or not, and no other. Then the worker
+        reconnects, holds its lock again and beats, and the worker named by ``by`` claims
+        the due runs of its lanes (up to three), the lost ones among them (their retries
+        are due at once): the worker itself (its attempts that were rescued are zombies
+        from then on), or a peer that serves the lane (w1 and w2 share ma; w3 alone serves
+        mb). The worker keeps every attempt it held, and may write with them."""
+        run_id = self.running[run % len(self.running)]
+        worker = self._one("SELECT lease_owner FROM wq_runs WHERE id = %s", (run_id,))
+        assert worker is not None, f"the running run {run_id} has no lease owner"
+        self.run(self._lose_session(worker))
+        peers = [w for w in sorted(WORKERS) if w != worker and WORKERS[w] == WORKERS[worker]]
+        claimer = peers[0] if by == "a peer" and peers else worker
+        return self.claim(claimer, 0, False, limit=MAX_UNFINISHED)
+
+    async def _lose_session(self, worker: str) -> None:
+        now = self.now()
+        held = await self._fetch(
+            "SELECT id, attempt, lease_expires_at FROM wq_runs"
+            " WHERE state = 'running' AND lease_owner = %s ORDER BY id",
+            (worker,),
+        )
+        await self.conns[worker].close()
+        # The server ends the session, and frees its lock, just after the client's close.
+        await until(lambda: self._gone(worker, now), interval=0.005)
+        rescued = await recovery.rescue_gone(self.db, now=now)
+        assert {r.run_id for r in rescued} == {run_id for run_id, _, _ in held}, (
+            f"{worker}'s session ended holding {held}; rescue_gone took {rescued}"
+        )
+        LEASES["rescued from a lost session before they lapsed"] += sum(
+            expires >= now for _, _, expires in held
+        )
+        await self._connect(worker)
+        assert not await self._gone(worker, now), f"{worker} reconnected but counts as gone"
+        self.saw("lost session")
+
+    async def _gone(self, worker: str, now: datetime) -> bool:
+        cur = await self.db.execute("SELECT wq_worker_gone(%s, %s)", (worker, now))
+        row = await cur.fetchone()
+        assert row is not None
+        return bool(row[0])
 
     @precondition(lambda self: self.lane_ops < 3)  # lanes closed for good starve the rest
     @rule(release=st.sampled_from(RELEASES), op=st.sampled_from(["reopen", "drain", "reclaim"]))
@@ -750,7 +1323,7 @@ class FenceModel(RuleBasedStateMachine):
 
     @invariant()
     def cancelled_stays_cancelled(self) -> None:
-        rows = self.run(self._fetch("SELECT id, state::text FROM wq_runs"))
+        rows = self.run(self._fetch("SELECT id, state::text FROM wq_runs ORDER BY id"))
         states = dict(rows)
         for run_id in self.seen_cancelled:
             assert states.get(run_id) == "cancelled", (
@@ -759,6 +1332,7 @@ class FenceModel(RuleBasedStateMachine):
             )
         self.seen_cancelled |= {run_id for run_id, state in rows if state == "cancelled"}
         self.unfinished = sum(state in ("queued", "running", "sleeping") for _, state in rows)
+        self.running = [run_id for run_id, state in rows if state == "running"]
 
     @invariant()
     def one_terminal_write_per_row(self) -> None:
@@ -787,7 +1361,14 @@ class FenceModel(RuleBasedStateMachine):
              WHERE r.state IN ('queued', 'running', 'sleeping')
             """
         )
-        if not rows:
+        waiting = []
+        for row in rows:
+            run_id, state, lane, owner, expires, wake, event, cancel, job, status = row
+            live_lease = state == "running" and expires is not None and expires >= now
+            due_wake = state == "sleeping" and wake is not None and wake <= now
+            if not (job or live_lease or due_wake):
+                waiting.append(row)
+        if not waiting:
             return
         # What the recovery pass would take now: its own picks, in a rolled-back transaction.
         picked: set[uuid.UUID] = set()
@@ -796,15 +1377,12 @@ class FenceModel(RuleBasedStateMachine):
                 args = {"now": now, "batch": 1000, "gone_only": False}
                 cur = await self.db.execute(q(name), args)
                 picked |= {row[0] for row in await cur.fetchall()}
-        stranded = {s.lane for s in await recovery.find_stranded(self.db, now=now, after_s=0)}
-        for run_id, state, lane, owner, expires, wake, event, cancel, job, status in rows:
-            live_lease = state == "running" and expires is not None and expires >= now
-            due_wake = state == "sleeping" and wake is not None and wake <= now
-            assert job or live_lease or due_wake or run_id in picked or lane in stranded, (
+        for run_id, state, lane, owner, expires, wake, event, cancel, _, status in waiting:
+            assert run_id in picked, (
                 f"invariant 5 (no run is stuck): run {run_id} is {state} on {lane} (lease "
                 f"{owner} until {expires}, wake at {wake}, event {event}, cancel pending "
                 f"{cancel}, its job {status}) at model time {now}: no live job, no live "
-                f"lease, no due wake, nothing the recovery pass would take, not stranded"
+                f"lease, no due wake, nothing the recovery pass would take"
             )
 
 
@@ -817,29 +1395,64 @@ async def _leftover_databases(admin_url: str) -> list[str]:
         return [row[0] for row in await cur.fetchall()]
 
 
-@pytest.mark.timeout(900)  # a pass takes ~15 s; a failure's shrinking may take minutes
+def _short_of_minimums() -> list[str]:
+    """Every minimum of writes tried that the run did not reach."""
+    short = []
+    for path, kinds in REFUSED_AT_LEAST.items():
+        for kind, least in kinds.items():
+            if (n := TRIED[(path, kind, "refused")]) < least:
+                short.append(f"{path}: {n} refused {kind} writes, at least {least}")
+    for path, least in APPLIED_AT_LEAST.items():
+        if (n := TRIED[(path, "live", "applied")]) < least:
+            short.append(f"{path}: {n} applied live writes, at least {least}")
+    for path, least in RACED_AT_LEAST.items():
+        if (n := sum(c for (p, _), c in RACED.items() if p == path)) < least:
+            short.append(f"{path}: {n} races, at least {least}")
+    for kind, least in RACED_AT_LEAST_BY_RIVAL.items():
+        if (n := sum(c for (_, k), c in RACED.items() if k == kind)) < least:
+            short.append(f"races against {kind} rivals: {n}, at least {least}")
+    for what, least in LEASES_AT_LEAST.items():
+        if (n := LEASES[what]) < least:
+            short.append(f"leases {what}: {n}, at least {least}")
+    return short
+
+
+@pytest.mark.timeout(900)  # a pass takes ~20 s; a failure's shrinking may take minutes
 def test_the_fence_holds_under_random_interleavings(
     pg_admin_url: str, template_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    del template_url  # the fixture builds the template that every example clones
-    # Run under a known seed (pytest's --hypothesis-seed, or a fresh one) and name it on
-    # failure, so any run can be replayed, not only those whose failure Hypothesis flags.
+    # Run under a known seed (pytest's --hypothesis-seed, else FENCE_MODEL_SEED, else the
+    # default) and name it on failure, so any run can be replayed.
     seed = hypothesis.core.global_force_seed
     if seed is None:
-        seed = random.SystemRandom().randrange(2**32)
+        seed = int(os.environ.get("FENCE_MODEL_SEED", DEFAULT_SEED))
         monkeypatch.setattr(hypothesis.core, "global_force_seed", seed)
     OUTCOMES.clear()
+    TRIED.clear()
+    RACED.clear()
+    LEASES.clear()
+
+    class Model(FenceModel):
+        def __init__(self) -> None:
+            super().__init__(pg_admin_url, template_url)
+
     try:
         run_state_machine_as_test(
-            lambda: FenceModel(pg_admin_url),
+            Model,
             settings=settings(
-                max_examples=int(os.environ.get("FENCE_MODEL_EXAMPLES", "25")),
-                stateful_step_count=int(os.environ.get("FENCE_MODEL_STEPS", "30")),
+                max_examples=int(os.environ.get("FENCE_MODEL_EXAMPLES", "10")),
+                stateful_step_count=int(os.environ.get("FENCE_MODEL_STEPS", "75")),
                 deadline=None,
                 derandomize=False,
                 print_blob=True,
                 database=None,  # nothing is written under the work tree; replay by seed
             ),
+        )
+        assert asyncio.run(_leftover_databases(pg_admin_url)) == [], "an example's clone was left"
+        short = _short_of_minimums()
+        assert not short, (
+            f"the examples tried fewer writes than the model must (seed {seed}; the "
+            f"minimums are the default seed's, {DEFAULT_SEED}):\n  " + "\n  ".join(short)
         )
     except BaseException as failure:
         failure.add_note(
@@ -847,9 +1460,11 @@ def test_the_fence_holds_under_random_interleavings(
         )
         raise
     finally:
-        # What the examples exercised (shown with -s): refusals of every kind should be here.
+        # What the examples exercised (shown with -s).
         print("\n".join(f"{count:6d}  {what}" for what, count in sorted(OUTCOMES.items())))
-    assert asyncio.run(_leftover_databases(pg_admin_url)) == [], "an example's clone was left"
+        print("\n".join(f"{n:6d}  {p}: {k} {r}" for (p, k, r), n in sorted(TRIED.items())))
+        print("\n".join(f"{n:6d}  race {p}: {k}" for (p, k), n in sorted(RACED.items())))
+        print("\n".join(f"{n:6d}  leases {what}" for what, n in sorted(LEASES.items())))
 
 
 def test_a_run_cannot_complete_rows_of_another_run(pg_admin_url: str, template_url: str) -> None:
@@ -857,10 +1472,9 @@ def test_a_run_cannot_complete_rows_of_another_run(pg_admin_url: str, template_u
     writer's run's, whatever version it sends): run 1 (w1) entered its play and admitted
     k0..k2 of sheet s1 under its write intent; run 3, admitted on s1 and claimed by w2,
     completes them under run 1's version. No write may land on rows of run 1."""
-    del template_url  # the fixture builds the template the machine clones
-    machine = FenceModel(pg_admin_url)
+    machine = FenceModel(pg_admin_url, template_url)
     try:
-        machine.start()
+        machine.start_runs()
         machine.admit("ma", "s1")
         (third,) = machine.claim("w2", 0, False).values
         machine.complete_rows(third, "held", None, "done", "another run's")
