@@ -268,7 +268,7 @@ drop(
     WHERE EXISTS (SELECT 1 FROM fence)
     ORDER BY r.row_key""",
     "\n    WHERE EXISTS (SELECT 1 FROM fence)",
-    (FENCE, SHEETS, SHEET_RACES),
+    (FENCE, SHEETS, SHEET_RACES, "tests/integration/test_chaos.py"),
 )
 swap(
     "sheet_complete_rows.written_fence",
@@ -277,7 +277,7 @@ swap(
     "JOIN locked in written (FROM page only)",
     "    FROM page JOIN locked USING (row_key)\n",
     "    FROM page\n",
-    (FENCE, SHEETS, SHEET_RACES),
+    (FENCE, SHEETS, SHEET_RACES, "tests/integration/test_chaos.py"),
 )
 swap(
     "sheet_complete_rows.write_version",
