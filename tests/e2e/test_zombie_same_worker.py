@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -45,10 +44,8 @@ from queues import lanes, sheets
 from queues.errors import FenceError
 from tests.apps.zombie import URL_ENV, ZOMBIE_DDL, mark, rendezvous
 from tests.e2e.test_zombies import (
-    REPO,
     TERMINAL,
     Worker,
-    cli_env,
     diagnose,
     eventually,
     lease_lapsed,
@@ -56,6 +53,7 @@ from tests.e2e.test_zombies import (
     recover,
     refusals,
     snapshot,
+    spawned,
     stop,
     wait_mark,
 )
@@ -163,34 +161,9 @@ async def worker(db_url: str, tmp_path: Path, name: str, worker_id: str) -> Asyn
     """A worker process (its own session) under ``worker_id`` that reported ready; stopped
     on the way out whatever happened (:func:`tests.e2e.test_zombies.stop`)."""
     ready = tmp_path / f"{name}.ready"
-    log_path = tmp_path / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "tests.e2e.test_zombie_same_worker",
-            worker_id,
-            str(ready),
-            cwd=REPO,
-            env=cli_env(db_url),
-            stdout=log_file,
-            stderr=log_file,
-            start_new_session=True,
-        )
-    w = Worker(name, proc, log_path)
-    try:
-
-        async def is_ready() -> str | None:
-            if proc.returncode is not None:
-                raise AssertionError(f"worker {name} exited {proc.returncode}: {w.log.read_text()}")
-            with contextlib.suppress(OSError, ValueError):
-                return str(json.loads(ready.read_text())["worker_id"])
-            return None
-
-        w.worker_id = await eventually(is_ready, f"worker {name} to be ready")
+    command = [sys.executable, "-m", "tests.e2e.test_zombie_same_worker", worker_id, str(ready)]
+    async with spawned(db_url, tmp_path, name, command, ready) as w:
         yield w
-    finally:
-        await stop(w)
 
 
 async def release(url: str, run_id: uuid.UUID, point: str) -> None:

@@ -172,20 +172,23 @@ async def worker(db_url: str, tmp_path: Path, name: str) -> AsyncIterator[Worker
     """A `worker start` subprocess (its own session) that reported ready. On the way out,
     whatever happened: SIGCONT (it may be stopped), SIGTERM, and SIGKILL at the deadline."""
     ready = tmp_path / f"{name}.ready"
+    command = [WORKER, "--json-logs", "start", "--release", RELEASE, "--app", APP]
+    async with spawned(
+        db_url, tmp_path, name, [*command, "--grace", "1", "--ready-file", str(ready)], ready
+    ) as w:
+        yield w
+
+
+@contextlib.asynccontextmanager
+async def spawned(
+    db_url: str, tmp_path: Path, name: str, command: list[str], ready: Path
+) -> AsyncIterator[Worker]:
+    """A worker process started with ``command`` in its own session, once it wrote its
+    ready file (``ready``); stopped with :func:`stop` on the way out."""
     log_path = tmp_path / f"{name}.log"
     with log_path.open("wb") as log_file:
         proc = await asyncio.create_subprocess_exec(
-            WORKER,
-            "--json-logs",
-            "start",
-            "--release",
-            RELEASE,
-            "--app",
-            APP,
-            "--grace",
-            "1",
-            "--ready-file",
-            str(ready),
+            *command,
             cwd=REPO,
             env=cli_env(db_url),
             stdout=log_file,
