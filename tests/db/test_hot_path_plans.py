@@ -247,18 +247,13 @@ async def test_a_steps_record_is_never_compiled(conn: Conn) -> None:
     assert len([p for p in checked if "wq_receipts" in p.text and "Insert" in p.text]) == 3
 
 
-async def test_a_page_of_rows_is_never_compiled(conn: Conn) -> None:
-    """What the enrich play does per page (worker.demo.enrich): read the input page, admit
-    it to the sheet, look up its paid steps, record the rest in one statement, complete
-    its rows."""
-    rows = [(f"k{i}", {"domain": f"d{i}.example"}) for i in range(PAGE)]
-    a = await attempts.start(conn, play="enrich", inputs=rows)
-    await receipts_history(conn, a)
+async def enrich_page(
+    conn: Conn, a: attempts.Attempt, page: list[tuple[str, Any]]
+) -> sheets.CompletionResult:
+    """What the enrich play does with a page (worker.demo.enrich): admit it to the run's
+    sheet, look up its paid steps (none), record them in one statement, complete its rows."""
     sheet = f"sheet-{a.run_id}"
     scope = receipts.Scope.of_run(a.run_id)
-    plans = await hot_plans(conn)
-    page = await runs.input_page(conn, a.run_id, 0)
-    assert page is not None and len(page) == PAGE
     admitted = await sheets.admit_page(
         conn, org=attempts.ORG, sheet=sheet, fence=a.fence, rows=page, stable_intent=True
     )
@@ -273,8 +268,8 @@ async def test_a_page_of_rows_is_never_compiled(conn: Conn) -> None:
         fence=a.fence,
         results=[(key, {"score": i}) for i, key in enumerate(keys)],
     )
-    assert len(recorded.completed) == PAGE
-    completed = await sheets.complete_rows(
+    assert len(recorded.completed) == len(page)
+    return await sheets.complete_rows(
         conn,
         org=attempts.ORG,
         sheet=sheet,
@@ -283,8 +278,21 @@ async def test_a_page_of_rows_is_never_compiled(conn: Conn) -> None:
         completions=[sheets.RowCompletion(key, {"score": 1}) for key, _ in page],
         raise_on_superseded=True,
     )
+
+
+async def test_a_page_of_rows_is_never_compiled(conn: Conn) -> None:
+    """What the enrich play does per page (worker.demo.enrich): read the input page, admit
+    it to the sheet, look up its paid steps, record the rest in one statement, complete
+    its rows."""
+    rows = [(f"k{i}", {"domain": f"d{i}.example"}) for i in range(PAGE)]
+    a = await attempts.start(conn, play="enrich", inputs=rows)
+    await receipts_history(conn, a)
+    plans = await hot_plans(conn)
+    page = await runs.input_page(conn, a.run_id, 0)
+    assert page is not None and len(page) == PAGE
+    done = await enrich_page(conn, a, page)
     await stop_explaining(conn)
-    assert not completed.stale
+    assert len(done.committed) == PAGE and not done.stale
     held_to_the_rule(plans)
 
 
@@ -333,37 +341,12 @@ async def test_a_page_of_a_grown_run_reads_only_its_keys(conn: Conn) -> None:
     rows = [(f"k{i:05d}", {"domain": f"d{i}.example"}) for i in range(pages * size)]
     a = await attempts.start(conn, play="enrich", inputs=rows)
     await receipts_history(conn, a)  # analyzed here: the run's scope is new to them
-    sheet = f"sheet-{a.run_id}"
-    scope = receipts.Scope.of_run(a.run_id)
     for n in range(pages):
         page = await runs.input_page(conn, a.run_id, n)
         assert page is not None and len(page) == size
         if n == pages - 1:
             plans = await hot_plans(conn)
-        admitted = await sheets.admit_page(
-            conn, org=attempts.ORG, sheet=sheet, fence=a.fence, rows=page, stable_intent=True
-        )
-        keys = [f"enrich:{key}" for key, _ in page]
-        assert not await receipts.lookup_many(
-            conn, org=attempts.ORG, play="enrich", scope=scope, keys=keys
-        )
-        await receipts.complete_many(
-            conn,
-            org=attempts.ORG,
-            play="enrich",
-            scope=scope,
-            fence=a.fence,
-            results=[(key, {"score": i}) for i, key in enumerate(keys)],
-        )
-        done = await sheets.complete_rows(
-            conn,
-            org=attempts.ORG,
-            sheet=sheet,
-            fence=a.fence,
-            write_version=admitted.write_version,
-            completions=[sheets.RowCompletion(key, {"score": 1}) for key, _ in page],
-            raise_on_superseded=True,
-        )
+        done = await enrich_page(conn, a, page)
         assert len(done.committed) == size
     await stop_explaining(conn)
     checked = held_to_the_rule(plans)
