@@ -6,8 +6,9 @@ defaults against a throwaway server of that major (``--pg-bin``; the embedded wh
 Postgres when the directory is ``embedded``). Their reports (JSON) are kept in ``--dir``;
 the table printed, and written to ``--out``, has per major the median over the rounds of:
 
-- ours: drain at concurrency 10 (cold and after ANALYZE), the high-throughput drain, the
-  pickup p50, steps per second, rows per second of one big run;
+- ours, with the range over the rounds: drain at concurrency 10 (cold and after
+  ANALYZE), the high-throughput drain, the pickup p50, steps per second, rows per second
+  of one big run;
 - ours against the other systems on the same server, the medians of each round's ratios
   (drain after ANALYZE / Graphile Worker, pickup p50 / Graphile Worker, steps / Absurd,
   rows / the plain-SQL floor and / procrastinate with one job per page);
@@ -16,6 +17,7 @@ and, for every major after the first, ours on it over ours on the first.
 
     python -m bench.majors --pg-bin embedded --pg-bin /usr/lib/postgresql/15/bin --rounds 2
     python -m bench.majors --tabulate DIR        # the table of reports already in DIR
+    python -m bench.majors ... --out docs/performance/majors.json --doc docs/performance.md
 
 See docs/performance.md.
 """
@@ -131,10 +133,11 @@ def tabulate(folder: Path) -> dict[str, Any]:
     table: dict[str, Any] = {"majors": majors, "figures": {}, "ratios": {}, "rounds": {}}
     for version in majors:
         table["rounds"][version] = {k: len(v) for k, v in reports[version].items()}
+    table["ranges"] = {}
     for label, kind, read, _ in FIGURES:
-        table["figures"][label] = {
-            v: round(statistics.median(read(r) for r in reports[v][kind]), 1) for v in majors
-        }
+        seen = {v: [read(r) for r in reports[v][kind]] for v in majors}
+        table["figures"][label] = {v: round(statistics.median(x), 1) for v, x in seen.items()}
+        table["ranges"][label] = {v: [round(min(x), 1), round(max(x), 1)] for v, x in seen.items()}
     for label, kind, read in RATIOS:
         table["ratios"][label] = {
             v: round(statistics.median(read(r) for r in reports[v][kind]), 2) for v in majors
@@ -150,7 +153,8 @@ def markdown(table: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, _, _, higher in FIGURES:
         values = table["figures"][label]
-        cells = [label, *(f"{values[v]:,}" for v in majors)]
+        spans = table["ranges"][label]
+        cells = [label, *(f"{values[v]:,} ({spans[v][0]:,}-{spans[v][1]:,})" for v in majors)]
         for v in majors[1:]:
             ratio = values[v] / values[first] if higher else values[first] / values[v]
             cells.append(f"{ratio:.2f}x")
@@ -168,6 +172,21 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DOC_BEGIN, DOC_END = "<!-- majors:table -->", "<!-- /majors:table -->"
+
+
+def write_doc(page: Path, table: dict[str, Any]) -> None:
+    """Replace the marked section of ``page`` with the table and when it was made."""
+    text = page.read_text()
+    if DOC_BEGIN not in text or DOC_END not in text:
+        raise SystemExit(f"bench.majors: {page} has no {DOC_BEGIN} ... {DOC_END} section")
+    rounds = ", ".join(f"{v}: {min(n.values())} round(s)" for v, n in table["rounds"].items())
+    made = f"Tabulated {table['tabulated_at']} ({rounds})."
+    block = f"{DOC_BEGIN}\n{made}\n\n{markdown(table)}\n{DOC_END}"
+    before, rest = text.split(DOC_BEGIN, 1)
+    page.write_text(before + block + rest.split(DOC_END, 1)[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pg-bin", action="append", default=[], metavar="DIR|embedded")
@@ -176,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tabulate", type=Path, metavar="DIR", help="only tabulate DIR's reports")
     p.add_argument(
         "--out", type=Path, default=None, help="the table as JSON (default DIR/majors.json)"
+    )
+    p.add_argument(
+        "--doc", type=Path, default=None, help="write the table into this page's marked section"
     )
     args = p.parse_args(argv)
     folder = args.tabulate or args.dir
@@ -186,8 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     table = tabulate(folder)
     table["tabulated_at"] = datetime.now(UTC).isoformat(timespec="seconds")
     out = args.out or folder / "majors.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=2) + "\n")
     print(markdown(table))
+    if args.doc is not None:
+        write_doc(args.doc, table)
+        print(f"wrote the table into {args.doc}")
     print(f"\nwrote {out}")
     return 0
 
