@@ -25,6 +25,7 @@ Lock order and bounds are described at the top of ``sql/queries/receipts.sql``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -61,7 +62,6 @@ STEP_LEASE_S = 60.0  # a step's execution lock; the attempt's heartbeat extends 
 MAX_NAME = fields.MAX_STEP_NAME
 MAX_KEY = fields.MAX_ROW_KEY
 MAX_PAGE = fields.MAX_PAGE_KEYS
-
 
 
 class ReceiptStatus(StrEnum):
@@ -114,6 +114,20 @@ class Scope:
 
     def __str__(self) -> str:
         return self.key
+
+
+def idempotency_key(org: str, play: str, scope: Scope, step_key: str) -> str:
+    """The idempotency key of a step (or a row's step), for a paid call's provider.
+
+    Derived from exactly what identifies the step's receipt (org, play, scope, step key),
+    so every attempt of a run, before or after a crash, hands the provider the same key,
+    and a step of a named scope the same key in every run that shares it: a provider that
+    deduplicates by key (``Idempotency-Key``) charges once for what the receipt records
+    once, even when an attempt died between the call and its receipt. Two runs, orgs or
+    plays never share one. A hash, so it carries no org or run name to the provider."""
+    _check_text("step key", step_key, MAX_NAME + 12, fix="pass the step's name, e.g. 'charge'")
+    digest = hashlib.sha256(json.dumps([org, play, scope.key, step_key]).encode()).hexdigest()
+    return f"wq-{digest[:40]}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,7 @@ class RunContext:
         self._holds = 0  # permits of shared limits taken by this attempt (their names)
         self.cancel_requested = False
         self.current_step: str | None = None  # the step executing now (for lag reports)
+        self._step_scope: str | None = None  # its scope's name, when not the run's
         self._log: Any = None
 
     @property
@@ -184,6 +185,30 @@ class RunContext:
         return await self._transport.call(action, payload, **kw)
 
     # ---- steps ------------------------------------------------------------------------
+
+    def idempotency_key(self, name: str, *, scope: str | None = None) -> str:
+        """The key to hand a paid call's provider (an ``Idempotency-Key`` header) for step
+        ``name`` (as recorded: ``'charge'``, ``'charge#2'``, or a row's step key): the same
+        in every attempt of the run, so a call retried after a crash is deduplicated by the
+        provider; different in every other run, org and play; shared by the runs of a named
+        ``scope``, as the step's receipt is. In a step's body, :attr:`step_idempotency_key`
+        is its own."""
+        where = (
+            receipts.Scope.of_run(self.info.run_id)
+            if scope is None
+            else receipts.Scope.named(scope)
+        )
+        return receipts.idempotency_key(self.info.org, self.info.play, where, name)
+
+    @property
+    def step_idempotency_key(self) -> str:
+        """The idempotency key of the step whose body is running (:meth:`idempotency_key`)."""
+        if self.current_step is None:
+            raise RuntimeError(
+                "step_idempotency_key is read inside a step's body (ctx.step); elsewhere "
+                "use ctx.idempotency_key(name)"
+            )
+        return self.idempotency_key(self.current_step, scope=self._step_scope)
 
     def _ref(self, name: str, scope: str | None) -> dict[str, Any]:
         """The receipt reference of the next step called ``name`` (ordinal suffixed)."""
@@ -283,7 +308,7 @@ class RunContext:
         self, ref: dict[str, Any], claim: dict[str, Any], fn: Callable[..., Any], args: Any
     ) -> Any:
         """Run a claimed step's body and record its receipt (completed or failed)."""
-        self.current_step = ref["stepKey"]
+        self.current_step, self._step_scope = ref["stepKey"], ref.get("scope")
         started = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):
@@ -302,7 +327,7 @@ class RunContext:
                 await self._call("runtime_receipt_fail", {**ref, "error": error})
             raise
         finally:
-            self.current_step = None
+            self.current_step = self._step_scope = None
         instruments.step_finished(self.info.play, "completed", time.perf_counter() - started)
         # The value as stored (tuples become lists): a replay returns the same thing.
         return await self._complete(ref, claim, value)
