@@ -24,3 +24,14 @@ async def sandboxed_parent(ctx: RunContext, params: dict[str, Any]) -> dict[str,
 @registry.play("plain-child")
 async def plain_child(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"tripled": int(params["value"]) * 3, "meta": ctx.meta}
+
+
+@registry.play("sandboxed-keys", sandboxed=True)
+async def sandboxed_keys(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """The idempotency keys a sandboxed play hands its providers (tests/integration/
+    test_idempotency_keys.py compares them with the worker's)."""
+
+    def in_body() -> str:
+        return ctx.step_idempotency_key
+
+    return {"named": ctx.idempotency_key("charge"), "in_step": await ctx.step("charge", in_body)}

@@ -22,10 +22,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import lanes
+from queues import lanes, receipts
 from tests.workers import eventually, fetch, running_worker, submit
 from worker.context import RunContext, RunInfo
-from worker.plays import Registry
+from worker.plays import Registry, load_registry
 
 RELEASE = "idem"
 registry = Registry()
@@ -174,3 +174,15 @@ def test_the_key_follows_the_receipt_not_the_attempt() -> None:
     assert shared != key
     with pytest.raises(RuntimeError, match="inside a step"):
         _ = ctx(run, 1).step_idempotency_key
+
+
+async def test_a_sandboxed_play_hands_out_the_same_keys(db_url: str) -> None:
+    """A sandboxed play (no database, the gateway only) computes the same keys."""
+    sandboxed = load_registry("tests.apps.scheduling_sandboxed:registry")
+    run_id = await submit(db_url, "sandboxed-keys", release="sbxkeys", org="acme")
+    async with running_worker(db_url, sandboxed, release="sbxkeys", token_secret=b"k" * 48):
+        result = await eventually(lambda: _result(db_url, run_id), timeout=60)
+    expected = receipts.idempotency_key(
+        "acme", "sandboxed-keys", receipts.Scope.of_run(run_id), "charge"
+    )
+    assert result == {"named": expected, "in_step": expected}
