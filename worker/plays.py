@@ -299,8 +299,7 @@ def load_registry(spec: str) -> Registry:
             f"{type(exc).__name__}: {exc}{where}",
             field="--app",
             rule="a module that imports without raising or exiting",
-            fix="fix the module (python -c 'import "
-            f"{module_name}' shows the traceback)",
+            fix=f"fix the module (python -c 'import {module_name}' shows the traceback)",
         ) from exc
     registry = getattr(module, attribute, None)
     if not isinstance(registry, Registry):

@@ -32,13 +32,11 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import socket
-import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +49,18 @@ from queues import authority, lanes, migrations, outcomes, runs, server, transpo
 from queues import recovery as passes
 from queues.errors import DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
-from worker import attempt, connections, db, files, gateway, projector, recovery, sandbox, scheduler
+from worker import (
+    attempt,
+    connections,
+    db,
+    files,
+    gateway,
+    projector,
+    recovery,
+    sandbox,
+    scheduler,
+    stopping,
+)
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import LocalTransport
@@ -356,7 +365,7 @@ class Worker:
 
     async def _serve(self) -> int:
         if self.s.install_signals:
-            on_stop_signals(self.request_stop)
+            stopping.on_stop_signals(self.request_stop)
         listening = self.listen_url is not None
         self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
         tasks = [
@@ -599,8 +608,7 @@ class Worker:
             leases = [
                 (run_id, live.claimed.attempt)
                 for run_id in named
-                if (live := self.live.get(run_id)) is not None
-                and live.claimed.attempt is not None
+                if (live := self.live.get(run_id)) is not None and live.claimed.attempt is not None
             ]
             try:
                 async with self.pool.connection() as conn:
@@ -1019,9 +1027,7 @@ class Worker:
             may_spawn=play.may_spawn if play is not None else (),
             may_limit=play.limits if play is not None else (),
         )
-        return attempt.SandboxSpec(
-            self.s.registry.spec, self.gateway_url, tokens, self.sandboxes
-        )
+        return attempt.SandboxSpec(self.s.registry.spec, self.gateway_url, tokens, self.sandboxes)
 
     async def _write(self, c: runs.Claimed, final: Finish, event: str | None) -> FinishStatus:
         """Make the final write: a suspension on an event under the event's lock (handing
@@ -1148,25 +1154,6 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
     database is already the fence's and the outage's business."""
     if not future.cancelled():
         future.exception()
-
-
-def on_stop_signals(callback: Callable[[], None]) -> bool:
-    """Call ``callback`` on SIGTERM and SIGINT, on the running loop; whether it could.
-
-    Only a loop in the main thread can take signals, and only where the platform gives
-    loops signal handlers (not Windows). Elsewhere (a worker run by a test, or inside an
-    application's own thread) nothing is installed and False comes back: that caller
-    stops the loop another way (``Worker.stop``, its own stop event).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    loop = asyncio.get_running_loop()
-    try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, callback)
-    except NotImplementedError:  # a platform whose loops take no signal handlers
-        return False
-    return True
 
 
 async def serve(settings: Settings) -> int:

@@ -723,9 +723,7 @@ async def _controls(pending: bytes, stop: Any) -> None:
     if pending:
         reader.feed_data(pending)
     pipe = os.fdopen(os.dup(0), "rb", buffering=0)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), pipe
-    )
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     try:
         while line := await reader.readline():
             word = line.strip().decode(errors="replace")

@@ -138,7 +138,8 @@ async def test_honcho_keeps_the_system_up_and_stops_it_within_its_window(
 
         async def worker_up() -> bool:
             assert proc.poll() is None, log.read_text()
-            return await live_workers(url) == 1
+            recovering = any(e["event"] == "recovery_started" for e in events_of(log, "recovery.1"))
+            return recovering and await live_workers(url) == 1
 
         await eventually(worker_up, timeout=60, interval=0.2)
         assert "migration gate done; holding until SIGTERM or SIGINT" in lines_of(log, "release.1")

@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         state = f" (SQLSTATE {exc.sqlstate})" if exc.sqlstate else ""
         click.echo(f"error[DATABASE_ERROR]: {printable(first)}{state}", err=True)
-        sys.exit(
-            ExitCode.DATABASE_UNREACHABLE if connection_lost(exc) else ExitCode.FAILED
-        )
+        sys.exit(ExitCode.DATABASE_UNREACHABLE if connection_lost(exc) else ExitCode.FAILED)
     except OSError as exc:
         shown = printable(exc.strerror or exc)
         click.echo(f"error[OS_ERROR]: {shown} ({type(exc).__name__})", err=True)

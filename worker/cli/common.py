@@ -23,6 +23,7 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 Conn = psycopg.AsyncConnection[Any]
 
+
 class State:
     """The root command's options, passed to every command (``ctx.obj``)."""
 

@@ -17,7 +17,7 @@ import click
 import structlog
 
 from queues import fields, migrations, operator, policy
-from worker import config, runtime
+from worker import config, stopping
 from worker.cli.common import (
     Conn,
     State,
@@ -142,6 +142,7 @@ def dashboard_command(state: State, host: str, port: int) -> None:
     from worker import dashboard
     from worker.dashboard import auth
 
+    stopping.latch()
     config.hand_off_secrets()  # its login secret and URLs leave its environment
     secret, source = auth.resolve_secret(home=state.home)
     reader_url = state.url_for(config.Purpose.READ)
@@ -156,7 +157,7 @@ def dashboard_command(state: State, host: str, port: int) -> None:
 
     async def serve() -> int:
         stop = asyncio.Event()
-        runtime.on_stop_signals(stop.set)
+        stopping.on_stop_signals(stop.set)
         running = await dashboard.start(
             reader_url=reader_url, worker_url=worker_url, secret=secret, host=host, port=port
         )

@@ -20,7 +20,17 @@ from psycopg_pool import AsyncConnectionPool
 
 from queues import lanes, migrations, operations, recovery
 from queues.errors import InvalidField
-from worker import config, connections, db, gateway, metrics_http, plays, projector, runtime
+from worker import (
+    config,
+    connections,
+    db,
+    gateway,
+    metrics_http,
+    plays,
+    projector,
+    runtime,
+    stopping,
+)
 from worker import recovery as worker_recovery
 from worker.cli.common import Duration, State, emit_json, json_option, pass_state, run
 
@@ -64,11 +74,11 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
 
     async def wait() -> bool:
         stop = asyncio.Event()
-        runtime.on_stop_signals(stop.set)
+        stopping.on_stop_signals(stop.set)
         waiting = asyncio.ensure_future(db.wait_for_contract(url, timeout_s=timeout_s))
-        stopping = asyncio.ensure_future(stop.wait())
-        done, _ = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
+        stopped = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
         if waiting in done:
             waiting.result()  # the mismatch, when the wait gave up
             return True
@@ -195,6 +205,7 @@ def start(
     metrics_host: str,
 ) -> None:
     """Verify the schema, prepare the lane, report ready, then execute runs."""
+    stopping.latch()  # a stop while starting up is a clean stop (worker.stopping)
     config.hand_off_secrets()
     rel = lanes.validate_release(
         config.default_release() if release is None else release, field="--release"
@@ -336,6 +347,8 @@ def recover_command(
             rule="metrics are served by a process that stays up: --every DURATION",
             fix="add --every 60s, or drop --metrics-port",
         )
+    if every is not None:
+        stopping.latch()  # a service: a stop while it starts up is a clean stop
     if wait_for_schema is not None:
         _wait_for_schema(state.url, wait_for_schema)
 
@@ -360,7 +373,7 @@ def recover_command(
 
     async def loop(every_s: float) -> int:
         stop = asyncio.Event()
-        runtime.on_stop_signals(stop.set)
+        stopping.on_stop_signals(stop.set)
         log.info("recovery_started", every_s=every_s, batch=batch)
         projecting = projector.start(state.url, stop)  # the ledger's outbox, alongside
         passes = await worker_recovery.recover_forever(
@@ -407,6 +420,7 @@ def gateway_command(
     state: State, host: str, port: int, socket_path: Path | None, without: tuple[str, ...]
 ) -> None:
     """Serve the runtime gateway: POST /runtime with an attempt token (sandboxed plays)."""
+    stopping.latch()
     config.hand_off_secrets()
     unknown = sorted(set(without) - operations.SERVED_ACTIONS)
     if unknown:
@@ -422,7 +436,7 @@ def gateway_command(
 
     async def serve() -> int:
         stop = asyncio.Event()
-        runtime.on_stop_signals(stop.set)
+        stopping.on_stop_signals(stop.set)
         pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
             url,
             min_size=1,
