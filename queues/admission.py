@@ -156,9 +156,7 @@ async def _admit(
     lane = lanes.LANE_PREFIX + sub.release
     attributes = {"wq.play": sub.play, "wq.lane": lane, "wq.org": sub.org}
     with tracing.span("wq.submit", attributes=attributes) as span:
-        admitted = await _admit_statement(
-            conn, sub, options, authority=authority, inputs=inputs
-        )
+        admitted = await _admit_statement(conn, sub, options, authority=authority, inputs=inputs)
         tracing.annotate(span, run_id=admitted.run_id, created=admitted.created)
     return admitted
 

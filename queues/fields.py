@@ -59,9 +59,7 @@ CONTROL_RANGES: tuple[tuple[int, int], ...] = (
 )  # fmt: skip
 # The first character a text field may not hold: a lone surrogate or one of the above.
 _UNPRINTABLE = re.compile(
-    r"[\ud800-\udfff"
-    + "".join(rf"\U{low:08x}-\U{high:08x}" for low, high in CONTROL_RANGES)
-    + "]"
+    r"[\ud800-\udfff" + "".join(rf"\U{low:08x}-\U{high:08x}" for low, high in CONTROL_RANGES) + "]"
 )
 
 # The database measures a JSON value by the bytes of the jsonb it stores, not by its compact
@@ -306,10 +304,7 @@ def encode(
         ) from exc
     # Each level opens a bracket, so a text with few brackets cannot nest too deep; only
     # one with more (some may sit inside strings) is walked.
-    if (
-        encoded.count("[") + encoded.count("{") > MAX_JSON_DEPTH
-        and depth(value) > MAX_JSON_DEPTH
-    ):
+    if encoded.count("[") + encoded.count("{") > MAX_JSON_DEPTH and depth(value) > MAX_JSON_DEPTH:
         raise _too_deep(name, field, "nests deeper than {MAX_JSON_DEPTH} levels")
     if _NUL_ESCAPE.search(encoded):
         raise InvalidField(

@@ -104,6 +104,10 @@ class Action:
     required: frozenset[str] = frozenset()
     optional: frozenset[str] = frozenset()
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # Whether the same call may be sent again after its answer was lost (a connection
+    # that broke after the commit): a repeat is recognized and answered as the first
+    # was, never written twice. The runtime retries only these through a blip.
+    repeatable: bool = True
 
     @property
     def fields(self) -> frozenset[str]:
@@ -502,8 +506,14 @@ ACTIONS: Mapping[str, Action] = {
         ),
         Action("runtime_input_page", RUN_READ, _input_page, frozenset({"page"}), _RUN),
         Action("runtime_event_get", RUN_READ, _event_get, frozenset({"name"}), _RUN),
+        # An emit has no key to know a repeat by: sent again, it would emit twice.
         Action(
-            "runtime_event_emit", EVENT_EMIT, _event_emit, frozenset({"name"}), _RUN | {"payload"}
+            "runtime_event_emit",
+            EVENT_EMIT,
+            _event_emit,
+            frozenset({"name"}),
+            _RUN | {"payload"},
+            repeatable=False,
         ),
         Action("runtime_now", RUN_READ, _now, frozenset(), _RUN),
         # Rate limits (queues.limits) and child runs (queues.children), each write fenced.
@@ -538,6 +548,12 @@ LEDGER_ACTIONS = frozenset(
     {"project_run_events", "project_run_created", "append_run_events", "start_run"}
 )
 SERVED_ACTIONS = frozenset(ACTIONS)
+
+
+def repeatable(action: str) -> bool:
+    """Whether ``action`` is safe to send again after a lost answer (:attr:`Action.repeatable`)."""
+    found = ACTIONS.get(action)
+    return found is not None and found.repeatable
 
 
 def capability_for(action: str) -> str | None:
@@ -803,8 +819,10 @@ def _whole(minimum: int, maximum: int, *, optional: bool) -> Check:
     def check(value: object, where: str) -> object:
         if value is None and optional:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or not (
-            minimum <= value <= maximum
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not (minimum <= value <= maximum)
         ):
             raise InvalidField(
                 f"{where} must be a whole number from {minimum} to {maximum}, got "
@@ -865,7 +883,6 @@ FIELD_TYPES: Mapping[str, Check] = {
 def _check_types(payload: Mapping[str, Any], where: str) -> None:
     for name, value in payload.items():
         FIELD_TYPES[name](value, f"{where}.{name}")
-
 
 
 def _check_fields(

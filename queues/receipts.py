@@ -274,11 +274,24 @@ async def claim(
 @dataclass(frozen=True, slots=True)
 class _FinishRow:
     written: bool
+    fenced: bool
     run_attempt: int | None
     run_state: str | None
     status: str | None
     owner_run: UUID | None
     owner_attempt: int | None
+    result: JSON
+
+    def repeats(self, status: ReceiptStatus, fence: Fence) -> bool:
+        """Whether an unwritten finish may be this attempt's own earlier one, sent again
+        after its answer was lost: under the fence, the receipt settled as asked, by this
+        attempt (a completion also compares its result)."""
+        return (
+            self.fenced
+            and self.status == status.value
+            and self.owner_run == fence.run_id
+            and self.owner_attempt == fence.attempt
+        )
 
 
 async def complete(
@@ -298,7 +311,7 @@ async def complete(
     tuples come back as lists), so the first execution and a replay see the same value.
     """
     dumped = _dump(result, what=f"the result of step {step_key!r}", field="result")
-    await _finish(
+    repeated = await _finish(
         conn,
         ReceiptStatus.COMPLETED,
         org=org,
@@ -310,7 +323,8 @@ async def complete(
         error=None,
         now=now,
     )
-    return _load(dumped)
+    # A repeat answers with the result stored the first time, as a replay would.
+    return repeated.result if repeated is not None else _load(dumped)
 
 
 async def fail(
@@ -377,7 +391,10 @@ async def _finish(
     result: str | None,
     error: str | None,
     now: datetime | None,
-) -> None:
+) -> _FinishRow | None:
+    """Write the finish; None when written now, the row when this attempt had written it
+    already (a repeat: answered as a success, so a call retried after a lost answer is
+    not taken for a refusal); any other unwritten finish is refused."""
     _check_ref(org=org, play=play, step_key=step_key)
     params = {
         "status": status.value,
@@ -395,7 +412,9 @@ async def _finish(
         row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
     if row.written:
-        return
+        return None
+    if row.repeats(status, fence) and (result is None or row.result == _load(result)):
+        return row  # the same write again (a completion with another result is refused)
     verb = {"completed": "complete", "failed": "fail", "skipped": "skip"}[status.value]
     fenced = row.run_attempt == fence.attempt and row.run_state == "running"
     reason: str | None = None

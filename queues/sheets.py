@@ -610,11 +610,9 @@ async def _storable(what: str, field: str) -> AsyncIterator[None]:
         raise InvalidField(
             f"a row's {what[:-1]} cannot be stored: {exc.diag.message_primary}",
             field=field,
-            rule="JSON that Postgres can store: no NaN or Infinity, no NUL (U+0000), "
-            "valid Unicode",
+            rule="JSON that Postgres can store: no NaN or Infinity, no NUL (U+0000), valid Unicode",
             fix="clean the values (e.g. replace NUL, send NaN as null) and send the page again",
         ) from exc
-
 
 
 def _check_name(field: str, value: object) -> None:

@@ -71,6 +71,7 @@ class SandboxSpec:
     gateway_url: str
     tokens: AttemptTokens
     launcher: Launcher
+    max_outage_s: float  # how long the sandbox's calls absorb a blip (worker.contract)
 
 
 async def run(
@@ -125,6 +126,7 @@ async def _run(
             tokens=sandbox_spec.tokens,
             stop_reason=stop_reason,
             launcher=sandbox_spec.launcher,
+            max_outage_s=sandbox_spec.max_outage_s,
             resources=play.resources,
         )
         if stop_reason() == "timeout" and not isinstance(ended, tuple) and ended is not None:

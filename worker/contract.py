@@ -3,6 +3,10 @@
 - :class:`LocalTransport` (in-process plays): calls :func:`queues.operations.dispatch` on a
   pooled connection with the attempt's claims, the same receiver the gateway serves. With
   ``hold``, the attempt keeps the connection it took between its calls (see the class).
+- :class:`Absorbing` wraps either: a call that lost its connection (:func:`is_blip`) is
+  sent again, with capped backoff, while the outage lasts less than ``max_outage_s``, when
+  its action is repeatable (:attr:`queues.operations.Action.repeatable`). A play's ``ctx``
+  calls just take longer through a database restart or a terminated backend.
 - :class:`GatewayTransport` (sandboxed plays): posts the same action to the gateway with
   the attempt's token (the run-ledger token for the ledger actions), with the reference
   runtime's per-action timeouts, and turns an error answer back into the error it was.
@@ -14,14 +18,30 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
-from psycopg_pool import AsyncConnectionPool
+import psycopg
+import structlog
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import errors, operations
 from queues.authority import Claims
-from queues.errors import InvalidField, WriteIntentUnavailable
+from queues.errors import DatabaseUnreachable, InvalidField, WriteIntentUnavailable
+
+log = structlog.get_logger("worker.contract")
+
+# SQLSTATEs of a lost or refused connection and of a transaction the server rolled back:
+# class 08 (connection exception), class 40 (serialization failure, deadlock), and the
+# shutdown codes of class 57P (administrator command, crash, not accepting connections
+# yet). A statement timeout (57014) or a lock timeout (55P03) is not one: sending the
+# same statement again would meet the same wait.
+_BLIP_CLASSES = ("08", "40")
+_BLIP_STATES = frozenset({"57P01", "57P02", "57P03"})
+ABSORB_FIRST_DELAY_S = 0.05
+ABSORB_MAX_DELAY_S = 1.0
 
 INTENT_ACTION = "runtime_sheet_start_with_intent"
 # The answers of a receiver that does not have the intent action (the reference's list).
@@ -44,6 +64,107 @@ def _body(action: str, payload: dict[str, Any], key: str | None, owner: str) -> 
         body["idempotencyKey"] = key
         body["deliveryLeaseOwner"] = owner
     return body
+
+
+def is_blip(exc: BaseException) -> bool:
+    """Whether a call failed because its connection went away, not because it was refused:
+    a connection lost with no answer (psycopg's client-side errors carry no SQLSTATE), one
+    of the SQLSTATEs above, a pool with no connection to give, a gateway that answered
+    ``DATABASE_UNREACHABLE``, or a gateway that could not be reached or did not answer."""
+    if isinstance(exc, PoolTimeout | DatabaseUnreachable | httpx.TransportError):
+        return True
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        return state is None or state[:2] in _BLIP_CLASSES or state in _BLIP_STATES
+    return False
+
+
+class Absorbing:
+    """A transport that absorbs blips: a repeatable call that failed with :func:`is_blip`
+    is sent again, backing off from 50 ms to 1 s, until it is answered or the outage has
+    lasted ``max_outage_s`` (then its error goes to the play, and the attempt ends as
+    interrupted). Safe because every repeatable write is recognized when it is sent again
+    after a commit whose answer was lost (``tests/db/test_repeatable_actions.py``), and
+    bounded by the lease: a worker that cannot renew it stops the attempt (the heartbeat's
+    watchdog), and the fence refuses whatever a stopped attempt still sends.
+
+    ``on_absorbed(action)`` is told of each retried call once it was answered;
+    ``before_retry()`` runs before each retry (a pool's check, :class:`PoolCheck`)."""
+
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        max_outage_s: float,
+        on_absorbed: Callable[[str], None] | None = None,
+        before_retry: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.max_outage_s = max_outage_s
+        self._on_absorbed = on_absorbed
+        self._before_retry = before_retry
+        self.absorbed = 0  # calls answered after at least one retry
+
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any:
+        since: float | None = None
+        delay = ABSORB_FIRST_DELAY_S
+        while True:
+            try:
+                answer = await self.inner.call(action, payload, idempotency_key=idempotency_key)
+            except Exception as exc:
+                if not is_blip(exc) or not operations.repeatable(action):
+                    raise
+                now = time.monotonic()
+                since = now if since is None else since
+                if now - since + delay > self.max_outage_s:
+                    raise
+                log.warning(
+                    "call_blip",
+                    action=action,
+                    error=str(exc).strip()[:300],
+                    down_s=round(now - since, 2),
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, ABSORB_MAX_DELAY_S)
+                if self._before_retry is not None:
+                    await self._before_retry()
+                continue
+            if since is not None:
+                self.absorbed += 1
+                log.info("call_absorbed", action=action, down_s=round(time.monotonic() - since, 2))
+                if self._on_absorbed is not None:
+                    self._on_absorbed(action)
+            return answer
+
+    async def aclose(self) -> None:
+        closing = getattr(self.inner, "aclose", None)
+        if closing is not None:
+            await closing()
+
+
+class PoolCheck:
+    """A pool's idle connections checked after a blip, once at a time for all attempts.
+
+    A server that cut every connection (a restart, a failover) leaves the pool's idle ones
+    dead too, and the pool hands them out unchecked: each retry would take the next dead
+    one. One check replaces them all; attempts that meet the blip meanwhile wait for the
+    check under way instead of starting their own."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any]) -> None:
+        self._pool = pool
+        self._running: asyncio.Future[None] | None = None
+        self.checks = 0
+
+    async def __call__(self) -> None:
+        if self._running is None or self._running.done():
+            self.checks += 1
+            self._running = asyncio.ensure_future(self._pool.check())
+        try:
+            await asyncio.shield(self._running)
+        except Exception as exc:  # the next call meets the outage again, and says so
+            log.debug("pool_check_failed", error=str(exc).strip()[:300])
 
 
 class LocalTransport:

@@ -43,7 +43,7 @@ from starlette.routing import Route
 from queues import authority, operations
 from queues.errors import InvalidField, WorkerError, translate
 from worker import serving
-from worker.contract import gateway_socket
+from worker.contract import PoolCheck, gateway_socket, is_blip
 
 log = structlog.get_logger("worker.gateway")
 
@@ -78,6 +78,8 @@ def make_app(
     """The gateway's ASGI app, serving ``served`` actions (default: all this release has;
     a subset acts as an older receiver)."""
 
+    check = PoolCheck(pool)  # dead idle connections replaced after a blip
+
     async def runtime(request: Request) -> JSONResponse:
         try:
             claims = authority.verify(_bearer(request.headers.get("authorization")), secret=secret)
@@ -94,8 +96,14 @@ def make_app(
             if mapped is not None:
                 return _error(mapped)
             log.warning("runtime_database_error", error=str(exc).strip()[:300])
+            # A lost connection is DATABASE_UNREACHABLE: the caller's blip to absorb, on a
+            # connection this check made sure of.
+            code = "DATABASE_ERROR"
+            if is_blip(exc):
+                code = "DATABASE_UNREACHABLE"
+                await check()
             return JSONResponse(
-                {"error": {"code": "DATABASE_ERROR", "message": "the database failed"}},
+                {"error": {"code": code, "message": "the database failed"}},
                 status_code=503,
             )
         except PoolTimeout:

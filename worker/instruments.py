@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from queues import runs
 
@@ -45,11 +45,19 @@ STEP_DURATION = Histogram(
     registry=None,
 )
 
-PROCESS_METRICS = (PICKUP_LATENCY, ATTEMPT_DURATION, STEP_DURATION)
+ABSORBED_CALLS = Counter(
+    "wq_absorbed_calls",
+    "Calls of a play's attempt answered after a lost connection was absorbed (sent again), "
+    "by write path (the runtime action).",
+    ["action"],
+    registry=None,
+)
+
+PROCESS_METRICS = (PICKUP_LATENCY, ATTEMPT_DURATION, STEP_DURATION, ABSORBED_CALLS)
 
 
 @functools.lru_cache(maxsize=4096)
-def _child(metric: Histogram, *labels: str) -> Any:
+def _child(metric: Histogram | Counter, *labels: str) -> Any:
     """A metric's child for these label values, found once: ``labels()`` checks and locks
     on every call, a twentieth of a trivial attempt's Python time when called per attempt.
     Bounded: the label values are lanes, plays and outcomes."""
@@ -71,3 +79,8 @@ def attempt_finished(c: runs.Claimed, outcome: str, seconds: float) -> None:
 
 def step_finished(play: str, outcome: str, seconds: float) -> None:
     _child(STEP_DURATION, play, outcome).observe(max(0.0, seconds))
+
+
+def absorbed(action: str) -> None:
+    """Count a call answered after its lost connection was absorbed (worker.contract)."""
+    _child(ABSORBED_CALLS, action).inc()

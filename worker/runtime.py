@@ -55,6 +55,7 @@ from worker import (
     db,
     files,
     gateway,
+    instruments,
     projector,
     recovery,
     sandbox,
@@ -63,7 +64,7 @@ from worker import (
 )
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
-from worker.contract import LocalTransport
+from worker.contract import Absorbing, LocalTransport, PoolCheck
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.plays import Registry
@@ -208,6 +209,7 @@ class Worker:
         self.procrastinate_id: int | None = None
         self.lane: lanes.Lane | None = None
         self.pool: AsyncConnectionPool[Any] | None = None
+        self.pool_check: PoolCheck | None = None  # after a blip (worker.contract)
         self.heartbeat: Heartbeat | None = None
         self.gateway: Served | None = None
         self.gateway_url: str | None = settings.gateway_url
@@ -265,6 +267,7 @@ class Worker:
             timeout=min(5.0, self.s.max_outage_s / 2),
         )
         await self.pool.open(wait=True, timeout=30)
+        self.pool_check = PoolCheck(self.pool)
         self.heartbeat = Heartbeat(
             url=self.s.url,
             worker_id=self.s.worker_id,
@@ -870,7 +873,15 @@ class Worker:
             hold=self.budget is not None
             and self.budget.pool >= (self.s.concurrency or 0) + connections.POOL_EXTRA,
         )
-        ctx = RunContext(info, dict(c.params or {}), transport)
+        # A blip (a lost connection) is absorbed inside the attempt: its repeatable calls
+        # are sent again until answered or the outage passes max_outage_s.
+        absorbing = Absorbing(
+            transport,
+            max_outage_s=self.s.max_outage_s,
+            on_absorbed=instruments.absorbed,
+            before_retry=self.pool_check,
+        )
+        ctx = RunContext(info, dict(c.params or {}), absorbing)
         self.transports.add(transport)
         self.stats["claimed"] += 1
         self.heartbeat.track(c.run_id, c.attempt)
@@ -1027,7 +1038,13 @@ class Worker:
             may_spawn=play.may_spawn if play is not None else (),
             may_limit=play.limits if play is not None else (),
         )
-        return attempt.SandboxSpec(self.s.registry.spec, self.gateway_url, tokens, self.sandboxes)
+        return attempt.SandboxSpec(
+            self.s.registry.spec,
+            self.gateway_url,
+            tokens,
+            self.sandboxes,
+            max_outage_s=self.s.max_outage_s,
+        )
 
     async def _write(self, c: runs.Claimed, final: Finish, event: str | None) -> FinishStatus:
         """Make the final write: a suspension on an event under the event's lock (handing

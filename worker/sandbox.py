@@ -68,7 +68,7 @@ from queues import fields, outcomes, runs
 from queues.authority import AttemptTokens
 from queues.errors import FenceError, SandboxUnavailable, WorkerError
 from worker.context import RunContext, RunInfo, Suspend
-from worker.contract import GatewayTransport, gateway_socket
+from worker.contract import Absorbing, GatewayTransport, gateway_socket
 from worker.plays import Fatal, Play, Resources, load_registry
 
 log = structlog.get_logger("worker.sandbox")
@@ -474,6 +474,7 @@ async def run_attempt(
     stop_reason: Any,
     launcher: Launcher,
     resources: Resources | None = None,
+    max_outage_s: float = 60.0,
 ) -> outcomes.Finish | tuple[outcomes.Finish, str] | None:
     """Run one attempt in a sandbox; its final write (None: stale, write nothing; a pair:
     a suspension on an event, written under the event's lock)."""
@@ -490,6 +491,7 @@ async def run_attempt(
         "socket": INSIDE_SOCKET,
         "user": launcher.user_of(mechanism),
         "resources": _limits(limits),
+        "max_outage_s": max_outage_s,
     }
     try:
         proc = await launcher._spawn(mechanism, socket=socket, resources=limits)
@@ -756,7 +758,8 @@ async def _child(spec: dict[str, Any], pending: bytes) -> dict[str, Any]:
         ledger_token=tokens["ledger"],
         owner=info.worker_id,
     )
-    ctx = RunContext(info, dict(spec.get("params") or {}), transport)
+    absorbing = Absorbing(transport, max_outage_s=float(spec.get("max_outage_s", 60.0)))
+    ctx = RunContext(info, dict(spec.get("params") or {}), absorbing)
     stopping = {"reason": ""}
 
     async def body() -> Any:

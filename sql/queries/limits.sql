@@ -78,6 +78,12 @@ WITH run AS (
       FROM wq_limits l
      CROSS JOIN fence f
      WHERE l.key = %(key)s
+), prior AS (
+    -- This attempt's hold of that name, taken already: the call is a repeat of a grant
+    -- whose answer was lost, answered granted again without a second permit.
+    SELECT 1 FROM wq_limit_holds h
+      JOIN fence f ON h.run_id = f.id
+     WHERE h.hold = %(hold)s AND h.attempt = %(attempt)s AND h.owner = %(owner)s
 ), state AS (
     -- lock 2: the bucket, FOR UPDATE (a locking read yields its newest version)
     SELECT b.key, b.org, b.tat
@@ -91,7 +97,8 @@ WITH run AS (
     -- The live holds are counted by a VOLATILE function, called here, after the bucket's
     -- lock: its fresh snapshot sees every earlier grant's hold (migration 0017).
     SELECT s.key, s.org, c.at, d.concurrency,
-           d.concurrency IS NOT NULL
+           EXISTS (SELECT 1 FROM prior) AS repeat,
+           d.concurrency IS NOT NULL AND NOT EXISTS (SELECT 1 FROM prior)
            AND wq_limit_live_holds(s.key, s.org, c.at) >= d.concurrency AS busy,
            CASE WHEN d.rate_per_s IS NOT NULL
                 THEN greatest(s.tat, c.at) + make_interval(secs => 1.0 / d.rate_per_s) END
@@ -102,8 +109,9 @@ WITH run AS (
      CROSS JOIN clock c
 ), decided AS (
     SELECT v.*,
-           NOT v.busy AND (v.next_tat IS NULL OR v.next_tat - v.at <= v.tolerance) AS granted,
-           CASE WHEN v.next_tat IS NOT NULL AND v.next_tat - v.at > v.tolerance
+           v.repeat OR (NOT v.busy AND (v.next_tat IS NULL OR v.next_tat - v.at <= v.tolerance))
+               AS granted,
+           CASE WHEN NOT v.repeat AND v.next_tat IS NOT NULL AND v.next_tat - v.at > v.tolerance
                 THEN extract(epoch FROM v.next_tat - v.tolerance - v.at)::float8 END
                AS wait_s
       FROM verdict v
@@ -111,7 +119,8 @@ WITH run AS (
     UPDATE wq_limit_buckets b
        SET tat = d.next_tat
       FROM decided d
-     WHERE d.granted AND d.next_tat IS NOT NULL AND b.key = d.key AND b.org = d.org
+     WHERE d.granted AND NOT d.repeat AND d.next_tat IS NOT NULL
+       AND b.key = d.key AND b.org = d.org
 ), holding AS (
     INSERT INTO wq_limit_holds (run_id, hold, key, org, attempt, owner, acquired_at)
     SELECT f.id, %(hold)s, d.key, d.org, %(attempt)s, %(owner)s, d.at

@@ -166,11 +166,15 @@ step_failed AS (
 )
 SELECT
     EXISTS (SELECT 1 FROM finished) AS written,
+    -- Whether the fence held: an unwritten finish under it, of a receipt this attempt
+    -- already settled the same way, is a repeat of its own write whose answer was lost.
+    EXISTS (SELECT 1 FROM fence) AS fenced,
     run.attempt AS run_attempt,
     run.state::text AS run_state,
     cur.status::text AS status,
     cur.owner_run,
-    cur.owner_attempt
+    cur.owner_attempt,
+    cur.result
 FROM (VALUES (1)) AS one (x)
 LEFT JOIN run ON true
 LEFT JOIN wq_receipts AS cur

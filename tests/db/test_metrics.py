@@ -89,9 +89,7 @@ async def test_metrics_count_depth_rescues_refusals_and_stranded_lanes(conn: Con
     # `worker metrics --format prometheus` prints what /metrics serves from the database.
     text = metrics_http.exposition(await totals.read(conn), found)
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    assert {(s.labels["lane"], s.value) for s in families["wq_queue_depth"].samples} >= {
-        (lane, 3)
-    }
+    assert {(s.labels["lane"], s.value) for s in families["wq_queue_depth"].samples} >= {(lane, 3)}
     assert families["wq_lease_rescues"].type == "counter"
     assert "# HELP wq_queue_depth " in text
     assert live.fence.attempt == 1 and waiting is not None

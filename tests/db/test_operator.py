@@ -230,4 +230,3 @@ async def test_every_cancel_request_of_a_running_run_is_recorded_with_who_asked(
             {"before": "running", "after": "running", "force": False, "repeated": True},
         ),
     ]
-

@@ -426,9 +426,7 @@ async def finished_run(
     return run_id
 
 
-async def job_at(
-    conn: Conn, name: str, status: str, at: datetime, *, task: str = "wq.run"
-) -> int:
+async def job_at(conn: Conn, name: str, status: str, at: datetime, *, task: str = "wq.run") -> int:
     job_id = int(
         await one(
             conn,

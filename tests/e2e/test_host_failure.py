@@ -249,8 +249,7 @@ async def test_a_host_cut_off_mid_run(db_url: str, tmp_path: Path) -> None:
             except AssertionError as exc:
                 # Say how long the cut lasted, and what A logged.
                 raise AssertionError(
-                    f"{exc}: the cut lasted {restored_after:.1f} s\n"
-                    + _tail(tmp_path / "a.log")
+                    f"{exc}: the cut lasted {restored_after:.1f} s\n" + _tail(tmp_path / "a.log")
                 ) from None
             # Each late write of A is refused and recorded, each for a run A had an attempt
             # of (A may have claimed one more between the snapshot of on_a and the cut).

@@ -190,7 +190,8 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
     assert late.status_code == 409, late.text
     assert error_of(late)["code"] == "STALE_ATTEMPT"
     count = await fetch(
-        gw.db_url, "SELECT count(*) FROM wq_events WHERE run_id = %s AND kind LIKE 'play.%%'",
+        gw.db_url,
+        "SELECT count(*) FROM wq_events WHERE run_id = %s AND kind LIKE 'play.%%'",
         (run_id,),
     )
     assert count == [(2,)]

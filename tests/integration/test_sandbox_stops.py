@@ -45,9 +45,7 @@ async def test_a_cancel_runs_the_cleanup_hooks_in_the_sandbox(db_url: str) -> No
 
 async def test_a_stopping_worker_hands_a_sandboxed_run_back_at_once(db_url: str) -> None:
     registry = load_registry("tests.apps.sandboxed:registry")
-    async with running_worker(
-        db_url, registry, release=RELEASE, token_secret=SECRET, grace_s=0.5
-    ):
+    async with running_worker(db_url, registry, release=RELEASE, token_secret=SECRET, grace_s=0.5):
         run_id = await submit(db_url, "sandboxed-waits", release=RELEASE)
         await eventually(lambda: _event(db_url, run_id, "play.waiting"), timeout=60)
         stopping = time.monotonic()

@@ -143,8 +143,10 @@ async def test_a_too_deep_body_and_wrong_lease_types_are_400_never_500(db_url: s
             error = answer.json()["error"]
             assert error["field"] == "runtime_receipt_claim.input.leaseSeconds", error
         infinite = await client.post(
-            url, content=b'{"action": "runtime_receipt_claim", "input": {"stepKey": "s", '
-            b'"leaseSeconds": 1e400}}', headers=auth
+            url,
+            content=b'{"action": "runtime_receipt_claim", "input": {"stepKey": "s", '
+            b'"leaseSeconds": 1e400}}',
+            headers=auth,
         )
         assert infinite.status_code == 400, infinite.text
         ok = await client.post(url, json=claim_body(leaseSeconds=30), headers=auth)

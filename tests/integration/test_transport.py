@@ -44,9 +44,7 @@ async def spawn(conn: Conn, lane: str, n: int) -> list[int]:
 
 
 async def take(conn: Conn, limit: int) -> set[int]:
-    cur = await conn.execute(
-        "SELECT job_id FROM wq_transport_take(%s, %s, NULL)", ([LANE], limit)
-    )
+    cur = await conn.execute("SELECT job_id FROM wq_transport_take(%s, %s, NULL)", ([LANE], limit))
     return {row[0] for row in await cur.fetchall()}
 
 

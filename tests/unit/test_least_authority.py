@@ -33,9 +33,7 @@ def spawn(play: str) -> list[operations.Request]:
 
 
 def take(key: str) -> list[operations.Request]:
-    return operations.parse(
-        {"action": "runtime_limit_acquire", "input": {"key": key, "hold": "h"}}
-    )
+    return operations.parse({"action": "runtime_limit_acquire", "input": {"key": key, "hold": "h"}})
 
 
 def test_a_restricted_token_names_what_it_may_spawn_and_take() -> None:
