@@ -5,11 +5,15 @@ exception, a stop), and the recovery pass decides a lapsed lease here too
 (:func:`after_lapse`), so the rules cannot drift apart:
 
 - a failure spends the retry budget (:class:`~queues.lanes.RetryPolicy`: exponential
-  backoff with a cap and jitter, a maximum of attempts), and so does a lapsed lease;
-- an **interruption** (the database went away under the attempt: a lost connection, an
-  administrator shutdown, a failover, a serialization failure or deadlock) is retried
-  promptly and spends nothing, up to the lane's ``max_interruptions``; past that it counts
-  as a failure, so no run loops for ever;
+  backoff with a cap and jitter, a maximum of attempts);
+- an **interruption** (the database stayed away under the attempt past the worker's
+  ``max_outage_s``: a shorter blip is absorbed inside the attempt and is nothing here) is
+  retried promptly and spends nothing, up to the lane's ``max_interruptions``; past that
+  it counts as a failure, so no run loops for ever;
+- a **lapsed lease** (its worker died or hung) is an interruption too: retried promptly,
+  spending nothing, whatever the number of worker deaths a crash storm brings; a run that
+  is itself what kills its workers (lapses in a row with nothing settled, on as many
+  workers) fails with ``RUN_KILLS_WORKERS`` (:func:`after_lapse`);
 - a fatal error (the play's ``Fatal``, a refused input, a result that is not JSON) fails
   the run at once;
 - a hand-back or a suspension (sleep, event wait) spends nothing;
@@ -22,6 +26,7 @@ from __future__ import annotations
 import random
 import traceback
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -78,6 +83,16 @@ class FinishStatus(StrEnum):
 # An interruption is retried after about this long (with jitter): the database is usually
 # back within seconds, and waiting longer only delays the run.
 INTERRUPTION_DELAY_S = 1.0
+# A run whose attempts lost their workers this many times in a row, on as many workers,
+# with nothing settled in any of them, is a poison run (after_lapse). Three: a healthy
+# run meets a worker's death only when that death is unrelated to it, and between two such
+# deaths it completes steps; three deaths in a row with no step settled, on three workers,
+# is what a play that exhausts memory or crashes its process does, and stopping there
+# costs at most three workers' restarts.
+KILLS_WORKERS_AFTER = 3
+RUN_KILLS_WORKERS = "RUN_KILLS_WORKERS"
+# Runs that lapsed together twice in a row with nothing settled are retried this far apart.
+LAPSE_STAGGER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +344,8 @@ class Lapse:
 
     state: RunState  # queued (retry, or a cleanup-only attempt), failed or cancelled
     delay_s: float
+    code: str = "LEASE_EXPIRED"  # the run's error code (RUN_KILLS_WORKERS: a poison run)
+    why: str | None = None  # said after the lapse in the run's error message
 
 
 def after_lapse(
@@ -336,14 +353,59 @@ def after_lapse(
     *,
     failures: int,
     cancel_requested: bool,
+    streak: Sequence[str] = (),
+    shared: bool = False,
+    rank: int = 0,
     rng: random.Random | None = None,
 ) -> Lapse:
-    """The rule for a lapsed lease (``failures`` counts this lapse): a failed attempt."""
-    exhausted = policy.exhausted(failures)
+    """The rule for a lapsed lease: an interruption, not a failure.
+
+    The worker died or hung (a deploy, a crashed host, an OOM kill of the whole process):
+    nothing says the play was wrong, so the lapse spends no retry budget (``failures``
+    counts the run's failed attempts) and the run is retried promptly. Unless the run is
+    what kills its workers. ``streak`` holds the workers of this lapse and of the lapses
+    right before it in which nothing settled (no step completed, no row done), newest
+    first. At :data:`KILLS_WORKERS_AFTER` of them on as many workers, the run is a poison
+    run and fails with ``RUN_KILLS_WORKERS`` (docs/design.md, section 11c) -- unless another
+    run was there at each of those last deaths (``shared``: it may as well be the cause).
+
+    Runs that lapsed together a second time in a row with nothing settled are retried
+    apart, ``rank`` (their place, drawn at random) times :data:`LAPSE_STAGGER_S` after
+    each other: the one that kills its worker then does it alone, and the others get to
+    settle a step. (A first death is most often a deploy or a host's: no stagger.)
+    """
+    quiet = len(streak)
     if cancel_requested:
         # Cleanup first: a cleanup-only attempt runs the cancel hooks, then writes
-        # `cancelled`; with the budget spent, cancel without them.
+        # `cancelled`; once the failures and these lapses spent the budget, cancel
+        # without them (a cleanup that keeps killing its worker ends).
+        exhausted = policy.exhausted(failures + max(quiet, 1))
         return Lapse(RunState.CANCELLED if exhausted else RunState.QUEUED, 0.0)
-    if exhausted:
-        return Lapse(RunState.FAILED, 0.0)
-    return Lapse(RunState.QUEUED, policy.delay(failures, rng=rng))
+    if poison_candidate(streak) and not shared:
+        workers = len(set(streak))
+        return Lapse(
+            RunState.FAILED,
+            0.0,
+            code=RUN_KILLS_WORKERS,
+            why=f"{quiet} attempts in a row lost their workers ({workers} workers) with no "
+            "step completed, each time without another run that was there at every one "
+            "of those deaths: the run kills its workers (memory, a crash in native code); "
+            "fix the play, then `worker retry` the run",
+        )
+    # Promptly: about a second, or the lane's first retry delay when that is shorter.
+    delay = min(
+        policy.delay(1, rng=rng), INTERRUPTION_DELAY_S * (rng or random).uniform(0.5, 1.5)
+    )
+    return Lapse(RunState.QUEUED, delay + rank * LAPSE_STAGGER_S)
+
+
+def poison_candidate(streak: Sequence[str]) -> bool:
+    """Whether a lapse streak reaches the poison bound: :data:`KILLS_WORKERS_AFTER` lapses
+    with nothing settled, on as many workers."""
+    return len(streak) >= KILLS_WORKERS_AFTER and len(set(streak)) >= KILLS_WORKERS_AFTER
+
+
+def recent_deaths(streak: Sequence[str]) -> list[str]:
+    """The last :data:`KILLS_WORKERS_AFTER` distinct workers of a streak (newest first):
+    the deaths another run must have been at to share the blame."""
+    return list(dict.fromkeys(streak))[:KILLS_WORKERS_AFTER]

@@ -57,6 +57,45 @@ DEFAULT_BATCH = 100
 # A lane is reported stranded once a run waited this long with no live worker for it:
 # a lane whose worker is still starting (a deploy in progress) is not stranded yet.
 DEFAULT_STRANDED_AFTER_S = 60.0
+
+
+async def _shared(conn: psycopg.AsyncConnection[Any], row: _Expired) -> bool:
+    """For a run at the poison bound: whether another run was there at its last deaths."""
+    if not outcomes.poison_candidate(row.streak_workers):
+        return False
+    cur = await conn.execute(
+        q("recovery_lapse_shared"),
+        {
+            "lane": row.lane,
+            "run_id": row.run_id,
+            "workers": outcomes.recent_deaths(row.streak_workers),
+        },
+    )
+    found = await cur.fetchone()
+    return bool(found and found[0])
+
+
+# A streak this long (lapses in a row with nothing settled) is retried apart from the runs
+# that died with it (outcomes.after_lapse).
+STAGGER_FROM = 2
+
+
+def _stagger(picked: list[_Expired], rng: random.Random) -> dict[uuid.UUID, int]:
+    """The places, drawn at random, of runs that lapsed on the same dead worker for the
+    second time in a row (or more) with nothing settled (outcomes.after_lapse retries them
+    apart); the others have none."""
+    together: dict[str | None, list[uuid.UUID]] = {}
+    for row in picked:
+        if len(row.streak_workers) >= STAGGER_FROM:
+            together.setdefault(row.lease_owner, []).append(row.run_id)
+    ranks: dict[uuid.UUID, int] = {}
+    for run_ids in together.values():
+        if len(run_ids) > 1:
+            rng.shuffle(run_ids)
+            ranks.update({run_id: place for place, run_id in enumerate(run_ids)})
+    return ranks
+
+
 # Emitted events (and the refused-write log) are kept this long, like a lane's runs.
 DEFAULT_EVENT_RETENTION_S = 7 * 24 * 3600.0
 
@@ -69,7 +108,10 @@ class _Expired:
     release: str
     lease_owner: str | None
     lease_expires_at: datetime
-    failures: int  # this lapse and the earlier failed or lapsed attempts (the retry budget)
+    failures: int  # the run's failed attempts (the retry budget; a lapse is not one)
+    # The workers of this lapse and of the lapses right before it with nothing settled,
+    # newest first (outcomes.after_lapse).
+    streak_workers: list[str]
     cancel_requested: bool
     lane_state: str
     retry_max_attempts: int
@@ -271,9 +313,16 @@ async def rescue_expired(
             picked = await cur.fetchall()
         if not picked:
             return [], []
+        ranks = _stagger(picked, rng or random.Random())
         lapses = [
             outcomes.after_lapse(
-                row.policy, failures=row.failures, cancel_requested=row.cancel_requested, rng=rng
+                row.policy,
+                failures=row.failures,
+                cancel_requested=row.cancel_requested,
+                streak=row.streak_workers,
+                shared=await _shared(conn, row),
+                rank=ranks.get(row.run_id, 0),
+                rng=rng,
             )
             for row in picked
         ]
@@ -293,6 +342,8 @@ async def rescue_expired(
                     "states": states,
                     "spawn": [state == "queued" for state in states],
                     "delays": delays,
+                    "codes": [lapse.code for lapse in lapses],
+                    "whys": [lapse.why for lapse in lapses],
                 },
             )
             rescued = await cur.fetchall()

@@ -67,6 +67,9 @@ class Claimed:
     # Its lane caps the runs per org: the end of this attempt may let a waiting org's job
     # be claimed, which no spawn announces.
     org_capped: bool | None = None
+    # The attempt before this one was cut short (interrupted, or its worker lost): the
+    # steps it was in the middle of may run again (worker.instruments counts them).
+    resumed: bool | None = None
 
     @property
     def retry(self) -> RetryPolicy:

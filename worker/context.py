@@ -113,6 +113,7 @@ class RunInfo:
     worker_id: str
     created_at: datetime  # the run's admission: a wait sees events emitted since
     meta: Mapping[str, Any] | None = None  # the run's metadata (queues.options)
+    resumed: bool = False  # the attempt before was cut short (runs.Claimed.resumed)
 
     @property
     def fence(self) -> Fence:
@@ -148,6 +149,10 @@ class RunContext:
         self.current_step: str | None = None  # the step executing now (for lag reports)
         self._step_scope: str | None = None  # its scope's name, when not the run's
         self._log: Any = None
+        # Steps executed (not replayed) that the attempt before may have been in the
+        # middle of when it was cut short: the first execution of a resumed attempt.
+        self.duplicate_suspects = 0
+        self._suspect = info.resumed
 
     @property
     def log(self) -> Any:
@@ -329,6 +334,7 @@ class RunContext:
         finally:
             self.current_step = self._step_scope = None
         instruments.step_finished(self.info.play, "completed", time.perf_counter() - started)
+        self._suspects(1)
         # The value as stored (tuples become lists): a replay returns the same thing.
         return await self._complete(ref, claim, value)
 
@@ -366,9 +372,18 @@ class RunContext:
         if scope is not None:
             payload["scope"] = scope
         page = await self._call("runtime_receipts_complete", payload)
+        self._suspects(len(page["completed"]))
         return receipts.PageCompletion(
             completed=page["completed"], already=page["already"], busy=page["busy"]
         )
+
+    def _suspects(self, executed: int) -> None:
+        """Count the first steps a resumed attempt executed as duplicate suspects: the
+        attempt before was cut short, perhaps in their middle (an upper bound)."""
+        if self._suspect and executed:
+            self._suspect = False
+            self.duplicate_suspects += executed
+            instruments.duplicate_suspects(self.info.play, executed)
 
     # ---- input and sheets -------------------------------------------------------------
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -103,7 +104,7 @@ class Absorbing:
         self.max_outage_s = max_outage_s
         self._on_absorbed = on_absorbed
         self._before_retry = before_retry
-        self.absorbed = 0  # calls answered after at least one retry
+        self.absorbed: collections.Counter[str] = collections.Counter()  # by action
 
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
@@ -132,7 +133,7 @@ class Absorbing:
                     await self._before_retry()
                 continue
             if since is not None:
-                self.absorbed += 1
+                self.absorbed[action] += 1
                 log.info("call_absorbed", action=action, down_s=round(time.monotonic() - since, 2))
                 if self._on_absorbed is not None:
                     self._on_absorbed(action)

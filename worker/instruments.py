@@ -52,8 +52,22 @@ ABSORBED_CALLS = Counter(
     ["action"],
     registry=None,
 )
+DUPLICATE_SUSPECTS = Counter(
+    "wq_duplicate_suspect_steps",
+    "Steps executed first by an attempt whose attempt before was cut short (interrupted, or "
+    "its worker lost), by play: those it may have been in the middle of (an upper bound of "
+    "the paid calls made twice).",
+    ["play"],
+    registry=None,
+)
 
-PROCESS_METRICS = (PICKUP_LATENCY, ATTEMPT_DURATION, STEP_DURATION, ABSORBED_CALLS)
+PROCESS_METRICS = (
+    PICKUP_LATENCY,
+    ATTEMPT_DURATION,
+    STEP_DURATION,
+    ABSORBED_CALLS,
+    DUPLICATE_SUSPECTS,
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -84,3 +98,24 @@ def step_finished(play: str, outcome: str, seconds: float) -> None:
 def absorbed(action: str) -> None:
     """Count a call answered after its lost connection was absorbed (worker.contract)."""
     _child(ABSORBED_CALLS, action).inc()
+
+
+def duplicate_suspects(play: str, steps: int) -> None:
+    _child(DUPLICATE_SUSPECTS, play).inc(steps)
+
+
+def from_sandbox(play: str, counts: object) -> None:
+    """Count what a sandboxed attempt reported of its calls (its process's own counters
+    end with it). Bounded: only known actions, and at most a page's worth at a time."""
+    from queues import operations
+
+    if not isinstance(counts, dict):
+        return
+    absorbed = counts.get("absorbed")
+    if isinstance(absorbed, dict):
+        for action, n in absorbed.items():
+            if action in operations.ACTIONS and isinstance(n, int) and 0 < n <= 10_000:
+                _child(ABSORBED_CALLS, action).inc(n)
+    suspects = counts.get("duplicate_suspects")
+    if isinstance(suspects, int) and 0 < suspects <= 100_000:
+        duplicate_suspects(play, suspects)

@@ -113,9 +113,13 @@ def _counters(t: totals.Totals) -> Iterator[Metric]:
     yield rescues
     interruptions = CounterMetricFamily(
         "wq_interruptions",
-        "Attempts interrupted by the database going away (cluster-wide total).",
+        "Attempts cut short, by cause (cluster-wide total): database, an outage longer than "
+        "the worker's max outage (a shorter one is absorbed: wq_absorbed_calls); worker, "
+        "its worker died or hung (its lease lapsed).",
+        labels=["cause"],
     )
-    interruptions.add_metric([], t.interruptions)
+    interruptions.add_metric(["database"], t.interruptions)
+    interruptions.add_metric(["worker"], t.lease_rescues)
     yield interruptions
 
 

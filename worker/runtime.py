@@ -857,6 +857,7 @@ class Worker:
             self.s.worker_id,
             c.created_at,
             meta=c.meta,
+            resumed=bool(c.resumed),
         )
         descriptor = c.descriptor
         transport = LocalTransport(

@@ -61,14 +61,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import structlog
 
 from queues import fields, outcomes, runs
 from queues.authority import AttemptTokens
 from queues.errors import FenceError, SandboxUnavailable, WorkerError
+from worker import instruments
 from worker.context import RunContext, RunInfo, Suspend
-from worker.contract import Absorbing, GatewayTransport, gateway_socket
+from worker.contract import Absorbing, GatewayTransport, gateway_socket, is_blip
 from worker.plays import Fatal, Play, Resources, load_registry
 
 log = structlog.get_logger("worker.sandbox")
@@ -460,6 +460,7 @@ def spec_of(c: runs.Claimed, info: RunInfo, *, app: str, cleanup: bool) -> dict[
             "worker_id": info.worker_id,
             "created_at": info.created_at.isoformat(),
             "meta": dict(info.meta) if info.meta else None,
+            "resumed": info.resumed,
         },
     }
 
@@ -615,6 +616,7 @@ def _finish(
     from worker import attempt as attempts  # the outcome rules of an in-process attempt
 
     assert c.attempt is not None
+    instruments.from_sandbox(c.play or "", outcome.get("counts"))
     status = outcome.get("status")
     if status == "returned":
         return attempts.success(c, outcome.get("result"))
@@ -750,6 +752,7 @@ async def _child(spec: dict[str, Any], pending: bytes) -> dict[str, Any]:
         worker_id=info_data["worker_id"],
         created_at=datetime.fromisoformat(info_data["created_at"]),
         meta=info_data.get("meta"),
+        resumed=bool(info_data.get("resumed")),
     )
     tokens = spec["tokens"]
     transport = GatewayTransport(
@@ -778,6 +781,28 @@ async def _child(spec: dict[str, Any], pending: bytes) -> dict[str, Any]:
 
     controls = asyncio.create_task(_controls(pending, stop))
     try:
+        return await _ended(task, spec, play, ctx, stopping) | {
+            "counts": {
+                "absorbed": dict(absorbing.absorbed),
+                "duplicate_suspects": ctx.duplicate_suspects,
+            }
+        }
+    finally:
+        controls.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await controls
+        await transport.aclose()
+
+
+async def _ended(
+    task: asyncio.Task[Any],
+    spec: dict[str, Any],
+    play: Play | None,
+    ctx: RunContext,
+    stopping: dict[str, str],
+) -> dict[str, Any]:
+    """How the sandboxed play ended, for the worker (:func:`_finish`)."""
+    try:
         result = await task
         if spec.get("cleanup"):
             return {"status": "cancelled"}
@@ -802,14 +827,10 @@ async def _child(spec: dict[str, Any], pending: bytes) -> dict[str, Any]:
             "message": str(exc)[:2000],
             "code": getattr(exc, "code", None),
             "traceback": outcomes.bounded_traceback(exc),
-            "fatal": isinstance(exc, Fatal | WorkerError),
-            "interrupted": isinstance(exc, httpx.TransportError),
+            "fatal": isinstance(exc, Fatal | WorkerError) and not is_blip(exc),
+            # An outage its calls could not absorb (worker.contract): not the play's fault.
+            "interrupted": is_blip(exc),
         }
-    finally:
-        controls.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await controls
-        await transport.aclose()
 
 
 async def _cleanup(play: Play, ctx: RunContext) -> None:

@@ -22,12 +22,18 @@
 -- Lock a batch of running runs whose lease ended (it expired, or its owner is gone:
 -- migration 0024), with their lane's retry policy. %(gone_only)s: only those whose owner is
 -- gone (a worker's check of its peers between recovery passes).
--- `failures` counts this lapse and the run's earlier failed or lapsed attempts: only those
--- spend the retry budget (a sleep's wake or a hand-back is an attempt but not a failure).
+-- `failures` counts the run's failed attempts (the retry budget): a lapse is not one, it
+-- is an interruption (the worker died or hung), and a sleep's wake or a hand-back is an
+-- attempt but not a failure. The streak is this lapse and the lapses right before
+-- it in which nothing settled (no receipt completed, no row done by the attempt):
+-- `streak_workers` are their workers, newest first, the evidence of a run that keeps
+-- killing the workers it lands on (queues.outcomes.after_lapse). At most the last ten
+-- attempts are looked at.
 SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expires_at,
-       1 + (SELECT count(*) FROM wq_attempts a
-             WHERE a.run_id = r.id AND a.attempt < r.attempt AND a.attempt > r.retry_floor
-               AND a.outcome IN ('failed', 'lease_expired'))::int AS failures,
+       (SELECT count(*) FROM wq_attempts a
+         WHERE a.run_id = r.id AND a.attempt < r.attempt AND a.attempt > r.retry_floor
+           AND a.outcome = 'failed')::int AS failures,
+       streak.workers AS streak_workers,
        r.cancel_requested_at IS NOT NULL AS cancel_requested, l.state::text AS lane_state,
        -- The run's own retry options over its lane's (migration 0015), as the claim reads.
        coalesce(r.retry_max_attempts, l.retry_max_attempts) AS retry_max_attempts,
@@ -37,6 +43,27 @@ SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expi
        r.retry_kind, r.retry_factor
   FROM wq_runs r
   JOIN wq_lanes l ON l.name = r.lane
+ CROSS JOIN LATERAL (
+     SELECT coalesce(array_agg(t.worker_id ORDER BY t.attempt DESC), '{}') AS workers
+       FROM (SELECT q.attempt, q.worker_id,
+                    bool_and(q.quiet) OVER (ORDER BY q.attempt DESC) AS streak
+               FROM (SELECT a.attempt, coalesce(a.worker_id, '?') AS worker_id,
+                            (a.attempt = r.attempt OR a.outcome = 'lease_expired')
+                            AND NOT EXISTS (
+                                SELECT 1 FROM wq_receipts x
+                                 WHERE x.owner_run = r.id AND x.owner_attempt = a.attempt
+                                   AND x.status = 'completed')
+                            AND NOT EXISTS (
+                                SELECT 1 FROM wq_sheet_rows w
+                                 WHERE w.run_id = r.id AND w.status = 'done'
+                                   AND w.attempt = a.attempt) AS quiet
+                       FROM wq_attempts a
+                      WHERE a.run_id = r.id AND a.attempt <= r.attempt
+                        AND a.attempt > r.retry_floor
+                      ORDER BY a.attempt DESC
+                      LIMIT 10) q) t
+      WHERE t.streak
+ ) streak
  WHERE r.state = 'running'
    AND CASE WHEN %(gone_only)s::boolean
             -- One probe per owner of a running run, not one per run.
@@ -52,6 +79,23 @@ SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expi
  LIMIT %(batch)s
    FOR UPDATE OF r SKIP LOCKED;
 
+-- name: recovery_lapse_shared :one
+-- Whether another unfinished run of the lane lost attempts on every one of `workers` too
+-- (lapsed, or still leased to a dead one): it was there at each of those deaths, and may
+-- as well be what caused them, so the run is not blamed (queues.outcomes.after_lapse).
+-- Asked only of a run at the poison bound; a run that lapsed on every one of them has at
+-- least as many attempts, which keeps the look to the lane's retried runs.
+SELECT EXISTS (
+    SELECT 1
+      FROM wq_runs s
+     WHERE s.lane = %(lane)s AND s.state IN ('queued', 'running', 'sleeping')
+       AND s.id <> %(run_id)s AND s.attempt >= cardinality(%(workers)s::text[])
+       AND (SELECT count(DISTINCT a.worker_id) FROM wq_attempts a
+             WHERE a.run_id = s.id AND a.worker_id = ANY(%(workers)s::text[])
+               AND a.outcome IN ('lease_expired', 'running'))
+           = cardinality(%(workers)s::text[])
+) AS shared;
+
 -- name: recovery_expired_apply :many
 -- Close lapsed attempts as lease_expired; retry (new job), fail or cancel their runs. The
 -- fence is the pick's rule (wq_lease_lapsed), checked again under the row lock.
@@ -60,11 +104,12 @@ SELECT r.id AS run_id, r.attempt, r.lane, r.release, r.lease_owner, r.lease_expi
 WITH input AS (
     SELECT *
       FROM unnest(%(run_ids)s::uuid[], %(attempts)s::int[], %(states)s::text[],
-                  %(spawn)s::boolean[], %(delays)s::float8[])
-           AS i(run_id, attempt, state, spawn, delay_s)
+                  %(spawn)s::boolean[], %(delays)s::float8[], %(codes)s::text[],
+                  %(whys)s::text[])
+           AS i(run_id, attempt, state, spawn, delay_s, code, why)
 ), fenced AS (
     SELECT r.id, r.lane, r.job_id AS old_job_id, r.lease_owner, r.lease_expires_at,
-           i.attempt, i.state, i.spawn,
+           i.attempt, i.state, i.spawn, i.code, i.why,
            CASE WHEN i.state = 'queued'
                 THEN coalesce(%(now)s::timestamptz, now()) + make_interval(secs => i.delay_s)
            END AS retry_at,
@@ -85,12 +130,13 @@ WITH input AS (
            available_at = f.retry_at,
            wait_event = NULL,
            wake_payload = NULL,
-           error = jsonb_build_object(
-               'code', 'LEASE_EXPIRED',
+           error = jsonb_strip_nulls(jsonb_build_object(
+               'code', f.code,
                'message', 'the lease of attempt ' || f.attempt || ' lapsed (worker '
-                          || coalesce(f.lease_owner, '?') || ' died or hung)',
+                          || coalesce(f.lease_owner, '?') || ' died or hung)'
+                          || coalesce(': ' || f.why, ''),
                'attempt', f.attempt,
-               'lease_owner', f.lease_owner),
+               'lease_owner', f.lease_owner)),
            finished_at = CASE WHEN f.state IN ('failed', 'cancelled')
                               THEN coalesce(%(now)s::timestamptz, now()) END,
            updated_at = now()

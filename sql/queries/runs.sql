@@ -73,8 +73,9 @@ WITH taken AS (
               r.meta,
               l.max_interruptions,
               l.org_concurrency > 0 AS org_capped,
-              -- Failed attempts so far: sleeps, hand-backs and interruptions do not spend
-              -- the retry budget; interruptions have a budget of their own. Only this
+              -- Failed attempts so far: sleeps, hand-backs, interruptions and lapsed
+              -- leases (a dead worker's, queues.outcomes.after_lapse) do not spend the
+              -- retry budget; interruptions have a budget of their own. Only this
               -- attempt sequence counts: an operator's retry set retry_floor. A first
               -- attempt of the sequence (r.attempt is the new number) has none to count,
               -- and reads nothing: most claims are first attempts, and a plan cached
@@ -82,13 +83,21 @@ WITH taken AS (
               CASE WHEN r.attempt - 1 > r.retry_floor THEN
                   (SELECT count(*) FROM wq_attempts a
                     WHERE a.run_id = r.id AND a.attempt > r.retry_floor
-                      AND a.outcome IN ('failed', 'lease_expired'))::int
+                      AND a.outcome = 'failed')::int
               ELSE 0 END AS failures,
               CASE WHEN r.attempt - 1 > r.retry_floor THEN
                   (SELECT count(*) FROM wq_attempts a
                     WHERE a.run_id = r.id AND a.attempt > r.retry_floor
                       AND a.outcome = 'interrupted')::int
-              ELSE 0 END AS interruptions
+              ELSE 0 END AS interruptions,
+              -- Whether the attempt before this one was cut short (interrupted, or its
+              -- worker lost): the steps it was in the middle of may run again here (a
+              -- duplicate suspect, counted by worker.instruments). One key probe.
+              CASE WHEN r.attempt - 1 > r.retry_floor THEN
+                  EXISTS (SELECT 1 FROM wq_attempts a
+                           WHERE a.run_id = r.id AND a.attempt = r.attempt - 1
+                             AND a.outcome IN ('interrupted', 'lease_expired'))
+              ELSE false END AS resumed
 ), attempt AS (
     INSERT INTO wq_attempts (run_id, attempt, worker_id)
     SELECT id, attempt, %(worker)s FROM claimed
@@ -119,13 +128,13 @@ SELECT true AS claimed, c.id AS run_id, c.attempt, c.org, c.play, c.params, c.la
        c.cleanup,
        c.lease_ttl_s, c.heartbeat_s, c.retry_max_attempts, c.retry_base_s, c.retry_cap_s,
        c.retry_jitter, c.max_interruptions, c.failures, c.interruptions,
-       c.retry_kind, c.retry_factor, c.timeout_at, c.meta, c.org_capped
+       c.retry_kind, c.retry_factor, c.timeout_at, c.meta, c.org_capped, c.resumed
   FROM claimed c
   LEFT JOIN lazy ON true
 UNION ALL
 SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL
   FROM taken t
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -198,6 +199,17 @@ async def _paid_chunk(
         await sheet.complete(
             [sheets.RowCompletion(key=k.removeprefix("row:"), output={"v": k}) for k in keys]
         )
+
+
+@registry.play("kills-its-worker")
+async def kills_its_worker(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """A poison run: its first attempt completes a step, then every attempt takes down the
+    process it runs in (as a play that exhausts the host's memory does)."""
+    await ctx.step("setup", lambda: "ready")
+    await side_effect(ctx, "dying")
+    os.kill(os.getpid(), signal.SIGKILL)
+    await asyncio.sleep(60)  # not reached
+    return {}
 
 
 @registry.play("skipper")

@@ -147,6 +147,8 @@ async def test_the_rescue_is_fenced_by_the_owner_coming_back(conn: Conn, db_url:
         "states": ["queued"],
         "spawn": [True],
         "delays": [0.0],
+        "codes": ["LEASE_EXPIRED"],
+        "whys": [None],
     }
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as back:
         await runs.hold_liveness(back, WORKER)

@@ -15,8 +15,9 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import admission, lanes, outcomes, recovery, runs, transport
+from queues import admission, lanes, outcomes, receipts, recovery, runs, transport
 from queues.errors import InvalidField, LaneReclaimed
+from queues.fence import Fence
 from queues.lanes import RetryPolicy
 from queues.outcomes import FinishStatus
 from queues.queries import q
@@ -86,7 +87,8 @@ async def heartbeat(conn: Conn, run_id: uuid.UUID, attempt: int, *, now: datetim
 # ---- expired leases ---------------------------------------------------------------------
 
 
-async def test_expired_lease_is_retried_on_a_new_job_per_policy(conn: Conn) -> None:
+async def test_an_expired_lease_is_retried_promptly_on_a_new_job(conn: Conn) -> None:
+    # A lapse is an interruption (its worker died), not a failure: no backoff.
     name = await lane(conn, lease_ttl_s=TTL, retry_base_s=10, retry_jitter=0, retry_max_attempts=3)
     dead, alive = await submit(conn), await submit(conn)
     await claim(conn, name)
@@ -98,8 +100,10 @@ async def test_expired_lease_is_retried_on_a_new_job_per_policy(conn: Conn) -> N
     report = await recovery.run_once(conn, now=at)
 
     assert [(r.run_id, r.attempt, r.state) for r in report.expired] == [(dead, 1, "queued")]
-    retry_at = at + timedelta(seconds=10)  # base * 2^(1-1), no jitter
-    assert report.expired[0].retry_at == retry_at
+    retry_at = report.expired[0].retry_at
+    delay = outcomes.INTERRUPTION_DELAY_S
+    assert retry_at is not None
+    assert at + timedelta(seconds=delay * 0.5) <= retry_at <= at + timedelta(seconds=delay * 1.5)
     run = await runs.get(conn, dead)
     assert (run.state, run.attempt, run.lease_owner, run.available_at) == (
         "queued",
@@ -133,9 +137,10 @@ async def test_expired_lease_is_retried_on_a_new_job_per_policy(conn: Conn) -> N
     assert await claim(conn, name, now=retry_at - timedelta(seconds=1)) == []
     [second] = await claim(conn, name, now=retry_at)
     assert (second.run_id, second.attempt, second.job_id) == (dead, 2, run.job_id)
+    assert second.resumed is True
 
 
-async def test_expired_lease_with_attempts_exhausted_fails_the_run(conn: Conn) -> None:
+async def test_a_lapse_spends_no_retry_budget(conn: Conn) -> None:
     name = await lane(conn, lease_ttl_s=TTL, retry_max_attempts=1)
     run_id = await submit(conn)
     await claim(conn, name)
@@ -143,16 +148,14 @@ async def test_expired_lease_with_attempts_exhausted_fails_the_run(conn: Conn) -
 
     report = await recovery.run_once(conn, now=at)
 
-    assert [(r.run_id, r.state, r.job_id) for r in report.expired] == [(run_id, "failed", None)]
+    # One attempt allowed, and its worker died: the run is retried all the same.
+    assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "queued")]
     run = await runs.get(conn, run_id)
-    assert (run.state, run.job_id, run.finished_at) == ("failed", None, at)
     assert run.error["code"] == "LEASE_EXPIRED"
-    assert [status for _, status, _, _ in await run_jobs(conn, run_id)] == ["failed"]
     assert [a.outcome for a in await runs.attempts(conn, run_id)] == ["lease_expired"]
-    assert report.counts()["failed"] == 1
 
 
-async def test_only_failed_or_lapsed_attempts_spend_the_retry_budget(conn: Conn) -> None:
+async def test_only_failed_attempts_spend_the_retry_budget(conn: Conn) -> None:
     name = await lane(conn, lease_ttl_s=TTL, retry_base_s=10, retry_jitter=0, retry_max_attempts=2)
     napper, failer = await submit(conn), await submit(conn)
     await claim(conn, name)
@@ -174,12 +177,108 @@ async def test_only_failed_or_lapsed_attempts_spend_the_retry_budget(conn: Conn)
 
     report = await recovery.run_once(conn, now=at)
 
-    outcome = {r.run_id: (r.attempt, r.state, r.retry_at) for r in report.expired}
-    # napper: 1 failure of 2 allowed, retried after base * 2^0; failer: 2 of 2, failed.
-    assert outcome == {
-        napper: (2, "queued", at + timedelta(seconds=10)),
-        failer: (2, "failed", None),
+    # Both lapse at attempt 2: neither lapse is a failure, so `failer` (1 of 2 spent) is
+    # retried like `napper`, and the claim of attempt 3 counts its one failure only.
+    assert {r.run_id: (r.attempt, r.state) for r in report.expired} == {
+        napper: (2, "queued"),
+        failer: (2, "queued"),
     }
+    # (Died together with nothing settled, they are retried apart: both due within 5 s.)
+    third = {c.run_id: c for c in await claim(conn, name, now=at + timedelta(seconds=5))}
+    assert (third[napper].attempt, third[napper].failures) == (3, 0)
+    assert (third[failer].attempt, third[failer].failures) == (3, 1)
+    # Each resumes an attempt that was cut short (its steps in flight may run again).
+    assert third[napper].resumed is True and third[failer].resumed is True
+
+
+async def lapse_on(conn: Conn, name: str, worker: str, at: datetime) -> recovery.RecoveryReport:
+    """Claim the lane's run as ``worker`` at ``at`` and let its lease lapse."""
+    assert await claim(conn, name, now=at, worker=worker)
+    return await recovery.run_once(conn, now=at + timedelta(seconds=TTL + 1))
+
+
+async def test_a_run_that_kills_its_workers_fails_with_its_own_code(conn: Conn) -> None:
+    name = await lane(conn, lease_ttl_s=TTL)
+    run_id = await submit(conn)
+    at = T0
+    for n, worker in enumerate(("w1", "w2"), start=1):
+        report = await lapse_on(conn, name, worker, at)
+        assert [r.state for r in report.expired] == ["queued"], n
+        at += timedelta(seconds=TTL + 5)
+    report = await lapse_on(conn, name, "w3", at)  # the third worker it took down
+
+    assert [(r.run_id, r.state, r.job_id) for r in report.expired] == [(run_id, "failed", None)]
+    run = await runs.get(conn, run_id)
+    assert run.state == "failed"
+    assert run.error["code"] == outcomes.RUN_KILLS_WORKERS == "RUN_KILLS_WORKERS"
+    assert "3 attempts in a row lost their workers (3 workers)" in run.error["message"]
+    assert "worker retry" in run.error["message"]
+    assert [a.outcome for a in await runs.attempts(conn, run_id)] == ["lease_expired"] * 3
+
+
+async def test_runs_that_die_together_are_retried_apart_and_blamed_only_alone(
+    conn: Conn,
+) -> None:
+    # `poison` and `bystander` are claimed together three times and die together each
+    # time: either may be the cause, so neither is blamed; and from the second time on
+    # they are retried apart, at least a second between them.
+    name = await lane(conn, lease_ttl_s=TTL)
+    poison, bystander = await submit(conn), await submit(conn)
+    at = T0
+    last: dict[uuid.UUID, datetime] = {}
+    for worker in ("w1", "w2", "w3"):
+        got = await claim(conn, name, now=at, worker=worker)
+        assert {c.run_id for c in got} == {poison, bystander}
+        report = await recovery.run_once(conn, now=at + timedelta(seconds=TTL + 1))
+        assert {r.state for r in report.expired} == {"queued"}, worker
+        last = {r.run_id: r.retry_at for r in report.expired if r.retry_at is not None}
+        gap = abs((last[poison] - last[bystander]).total_seconds())
+        if worker != "w1":  # from the second death together on
+            assert gap >= outcomes.LAPSE_STAGGER_S - outcomes.INTERRUPTION_DELAY_S
+        at += timedelta(seconds=TTL + 5)
+    # Apart at last: the first one due is claimed alone. The bystander, if first, settles
+    # and succeeds; `poison` then dies alone on w4, and its last three deaths (w4, w3, w2)
+    # are no longer all another unfinished run's: it is blamed.
+    [first] = await claim(conn, name, now=min(last.values()), worker="w4")
+    if first.run_id == bystander:
+        done = [outcomes.succeeded(bystander, first.attempt or 0, {"ok": True})]
+        assert await runs.finish(conn, worker_id="w4", finishes=done) == {
+            (bystander, 4): FinishStatus.APPLIED
+        }
+        [first] = await claim(conn, name, now=last[poison], worker="w4")
+    assert first.run_id == poison
+    report = await recovery.run_once(conn, now=last[poison] + timedelta(seconds=TTL + 1))
+    assert [(r.run_id, r.state) for r in report.expired] == [(poison, "failed")]
+    assert (await runs.get(conn, poison)).error["code"] == "RUN_KILLS_WORKERS"
+    assert (await runs.get(conn, bystander)).state in ("queued", "succeeded")
+
+
+@pytest.mark.parametrize("between", ["a step completed", "the same worker"])
+async def test_lapses_of_a_run_that_progresses_or_of_one_worker_are_not_a_poison_run(
+    conn: Conn, between: str
+) -> None:
+    name = await lane(conn, lease_ttl_s=TTL)
+    run_id = await submit(conn)
+    at = T0
+    workers = ("w1", "w1", "w1") if between == "the same worker" else ("w1", "w2", "w3")
+    for n, worker in enumerate(workers, start=1):
+        [c] = await claim(conn, name, now=at, worker=worker)
+        if between == "a step completed" and n == 2:
+            # Attempt 2 completes a step before its worker dies: the run moves on.
+            assert c.org and c.play and c.attempt
+            await receipts.record(
+                conn,
+                org=c.org,
+                play=c.play,
+                scope=receipts.Scope.of_run(run_id),
+                step_key="charge",
+                fence=Fence(run_id, c.attempt, worker),
+                result=1,
+                now=at,
+            )
+        report = await recovery.run_once(conn, now=at + timedelta(seconds=TTL + 1))
+        assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "queued")], n
+        at += timedelta(seconds=TTL + 5)
 
 
 async def test_expired_lease_with_a_cancel_pending_gets_a_cleanup_attempt(conn: Conn) -> None:

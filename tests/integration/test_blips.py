@@ -1,4 +1,4 @@
-"""A blip is absorbed inside the attempt (docs/design.md, "Blips"): a connection the
+"""A blip is absorbed inside the attempt (docs/design.md, section 11c): a connection the
 database cuts under a running attempt (an administrator's pg_terminate_backend, a
 failover, a pooler's reconnect) costs the play nothing but time. Its ``ctx`` calls are
 sent again on a new connection; the attempt goes on, its paid step runs once, and the run
