@@ -36,10 +36,11 @@ without Node or npm its rows say so. Absurd's SDK and schema tool come from the 
 extra (``pip install -e '.[bench]'``).
 
 Run: ``v/bin/python -m bench.baselines`` (about 3 minutes on 2 cores). Results: a table on
-stdout and ``bench/results/baselines.json``. ``--rounds K`` runs the whole sequence K times
-(figures: medians; ratios: the median of each round's own, with their range), since one
-run's ratio moves by a third with the host's load; ``--groups`` runs only some scenario
-groups (submit, drain, pickup, steps).
+stdout and a results file under ``bench/results/`` (:mod:`bench.results`; the pickup's
+samples included). ``--rounds K`` runs the whole sequence K times (figures: medians;
+ratios: the median of each round's own, with their range), since one run's ratio moves
+with the host's load; ``--groups`` runs only some scenario groups (submit, drain, pickup,
+steps).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from bench.common import (
     wait_until,
 )
 from bench.floor import Floor
+from bench.results import metric, summary
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.plays import Registry
@@ -81,18 +83,19 @@ from worker.runtime import CLAIM_AHEAD_UNDER_S, Settings, Worker
 
 RELEASE = "bench"
 QUEUE = "bench"
-RESULTS = Path(__file__).resolve().parent / "results" / "baselines.json"
 GRAPHILE_DIR = Path(__file__).resolve().parent / "graphile"
 SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
 SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile", "floor")
 
 
-def latency_summary(seconds: list[float]) -> dict[str, float]:
+def latency_summary(seconds: list[float]) -> dict[str, Any]:
+    """p50 and p99 in ms, and every sample (``samples_ms``: the distribution)."""
     ms = [s * 1000 for s in seconds]
     return {
         "n": len(ms),
         "p50_ms": round(percentile(ms, 50), 3),
         "p99_ms": round(percentile(ms, 99), 3),
+        "samples_ms": [round(x, 3) for x in ms],
     }
 
 
@@ -125,8 +128,8 @@ async def drained_at(
     """perf_counter time of the last finish: poll whether any work is left, then subtract
     how long ago (server time) the last finish was, so the polling period does not blur
     it. ``pending_sql`` asks for one unfinished row by the system's own index of
-    unfinished work: counting the finished ones instead read the whole history every
-    20 ms, a core's worth of scans at 20,000 runs, charged to the systems that keep it."""
+    unfinished work: counting the finished ones instead reads the whole history at every
+    poll, a cost that grows with the runs and is charged to the systems that keep them."""
 
     async def done() -> bool:
         return not bool(await scalar(conn, pending_sql))
@@ -790,6 +793,9 @@ def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     "p99_ms": round(_median([c["p99_ms"] for c in cells]), 3),
                     "rounds_p50_ms": [c["p50_ms"] for c in cells],
                 }
+                samples = [x for c in cells for x in c.get("samples_ms", ())]
+                if samples:
+                    results[name][scenario]["samples_ms"] = samples
             else:
                 results[name][scenario] = {
                     "n": cells[0]["n"],
@@ -870,14 +876,7 @@ def print_table(
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for scenario, template in SCENARIOS:
-        tuned = f"drain {args.tuned_runs:,}" if scenario == "drain_tuned" else "drain N"
-        label = (
-            template.replace("drain N", tuned)
-            .replace("BATCH", f"{args.batch:,}")
-            .replace(" N", f" {args.runs:,}")
-            .replace(" C", f" {args.concurrency}")
-            .replace(" S ", f" {args.steps:,} ")
-        )
+        label = scenario_label(scenario, template, args)
         cells = [figure(results.get(n, {}).get(scenario), scenario) for n in names]
         if all(c == "-" for c in cells):
             continue
@@ -886,6 +885,73 @@ def print_table(
     for name in names:
         if "skipped" in results[name]:
             print(f"\n{name}: {results[name]['skipped']}")
+
+
+def scenario_label(scenario: str, template: str, args: argparse.Namespace) -> str:
+    """A scenario's row label with this run's sizes."""
+    tuned = f"drain {args.tuned_runs:,}" if scenario == "drain_tuned" else "drain N"
+    return (
+        template.replace("drain N", tuned)
+        .replace("BATCH", f"{args.batch:,}")
+        .replace(" N", f" {args.runs:,}")
+        .replace(" C", f" {args.concurrency}")
+        .replace(" S ", f" {args.steps:,} ")
+    )
+
+
+LABELS = {
+    "ours": "ours",
+    "plain": "plain SQL",
+    "procrastinate": "procrastinate",
+    "absurd": "Absurd",
+    "graphile": "Graphile Worker",
+    "floor": "the design's floor",
+}
+
+
+def summarize(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Every system's figures for :mod:`bench.results`: a rate per scenario, the pickup's
+    p50 and p99 (and its samples), and ours against each baseline (the median of the
+    rounds' own ratios, with their range)."""
+    metrics = []
+    for scenario, template in SCENARIOS:
+        label = scenario_label(scenario, template, args)
+        if scenario == "pickup":
+            metrics.append(metric("pickup_p50", "pickup latency p50", "ms", higher_is_better=False))
+            metrics.append(metric("pickup_p99", "pickup latency p99", "ms", higher_is_better=False))
+        else:
+            unit = label[label.rindex("(") + 1 : -1]
+            metrics.append(metric(scenario, label[: label.rindex("(")].strip(), unit))
+    figures: dict[str, dict[str, float | None]] = {}
+    samples: dict[str, list[float]] = {}
+    for name, cells in report["results"].items():
+        if "skipped" in cells:
+            continue
+        mine: dict[str, float | None] = {}
+        for scenario, cell in cells.items():
+            if not isinstance(cell, dict) or "error" in cell:
+                continue
+            if scenario == "pickup":
+                mine["pickup_p50"], mine["pickup_p99"] = cell["p50_ms"], cell["p99_ms"]
+                if cell.get("samples_ms"):
+                    samples[name] = cell["samples_ms"]
+            else:
+                mine[scenario] = cell["per_s"]
+        figures[name] = mine
+
+    def keyed(table: dict[str, Any]) -> dict[str, Any]:
+        return {("pickup_p50" if k == "pickup" else k): v for k, v in table.items()}
+
+    return summary(
+        metrics,
+        figures,
+        labels=LABELS,
+        ratios=keyed(report["ratios"]),
+        ratio_ranges=keyed(report["ratio_ranges"]),
+        distributions=[
+            {"key": "pickup", "label": "pickup latency", "unit": "ms", "samples": samples}
+        ],
+    )
 
 
 def shown_ratios(
@@ -945,7 +1011,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run every group of every system this many times; figures are medians, "
         "ratios the median of each round's own (with their range)",
     )
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     add_pg_bin(p)
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -971,10 +1039,11 @@ def main(argv: list[str] | None = None) -> int:
         report |= combine(rounds)
         if args.rounds > 1:
             report["rounds"] = rounds
+        report["summary"] = summarize(report, args)
         print_table(report["results"], report["ratios"], args, report["ratio_ranges"])
         print_floor(report, args)
 
-    return run_on_throwaway_server(args, body)
+    return run_on_throwaway_server("baselines", args, body)
 
 
 if __name__ == "__main__":

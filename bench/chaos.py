@@ -13,7 +13,7 @@ percent, every worker backend is terminated at others, Postgres is crash-restart
 
 A killed worker writes nothing more, and a cut connection takes its statement with it:
 neither leaves a writer alive past its lease. A zombie does. The harness SIGSTOPs a worker
-whose live attempts all began a while ago and since the last cut of connections,
+whose live attempts all began a while ago, the last cut of connections a while ago too,
 preferring the one holding the most telling attempts: a chunk in hand (rows paid, not yet
 completed, so a row completion comes next) of a run with the newest write intent on its
 sheet (no other run takes those rows over while it sleeps: only the fence stands between
@@ -37,9 +37,11 @@ transaction: each terminal row write with the writer's attempt and the run's sta
 moment, each row admission and each completed receipt likewise. At the end the harness
 checks and prints:
 
-- every run terminal and succeeded, although attempts were interrupted (``interrupted``:
-  terminated backends, the restart) and lost their leases (``lease_expired``: the kills
-  and the zombies; every attempt a zombie held ended so);
+- every run terminal and succeeded, although attempts lost their leases
+  (``lease_expired``: the kills and the zombies; every attempt a zombie held ended so);
+  the terminated backends and the restart are absorbed inside the attempts (a call that
+  lost its connection is sent again on a new one), and need not end any; the attempts
+  per run (max, mean);
 - the writes the fence refused, counted by kind from ``wq_refusals``, and among them the
   late writes of the zombies' attempts: at least one when a zombie ran;
 - every row finished exactly once (no terminal write on an already terminal row);
@@ -47,6 +49,12 @@ checks and prints:
   attempt that was not its run's live attempt when it wrote, and no row output written
   after its writing attempt was closed (compared with the attempt history);
 - no step whose receipt was completed ran again (side effects per run and row);
+- the step executions that repeated an earlier one (a row paid again), split by what
+  ended the attempt of the execution before: a zombie's (``zombie``), its worker
+  SIGKILLed while it was open (``worker_killed``), or neither: a database fault alone,
+  met by the play's own paid call (``paid_call``: a payment committed whose answer the
+  fault took; the play's connection is its own, not the worker's to absorb), or by
+  the worker's calls (``database``: a problem);
 - the time from the last fault to the last run finishing.
 
 The stale-write checks compare what was written with who was allowed to write, so a
@@ -70,6 +78,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -83,6 +92,9 @@ from typing import Any
 
 import psycopg
 
+from bench.results import finish as results_finish
+from bench.results import metric, summary
+from bench.results import start as results_start
 from queues import admission
 from worker import embedded
 
@@ -173,8 +185,7 @@ SELECT count(*) FILTER (WHERE state = 'active'),
 # The live attempts of some workers, as candidates for a zombie's (see _Lease).
 LEASES_SQL = """
 SELECT r.lease_owner, r.id::text, r.attempt,
-       a.started_at < now() - make_interval(secs => %(zombie_min_age_s)s)
-       AND a.started_at > %(cut)s,
+       greatest(a.started_at, %(cut)s) < now() - make_interval(secs => %(zombie_min_age_s)s),
        EXISTS (SELECT 1 FROM wq_write_intents i
                 WHERE i.run_id = r.id
                   AND NOT EXISTS (SELECT 1 FROM wq_write_intents o
@@ -261,8 +272,9 @@ class _Lease:
 
     run_id: str
     attempt: int
-    # Begun over ``zombie_min_age_s`` ago and since the last cut of connections (an
-    # attempt from before it is about to find its connection gone).
+    # Begun over ``zombie_min_age_s`` ago, and the last cut of connections too: an attempt
+    # a cut was to end has found its connection gone by then. (A cut absorbed inside the
+    # attempt ends none: an attempt from before it is as good as one begun since.)
     old: bool
     # Its run holds the newest write intent on its sheet: no other run takes over the
     # rows of its chunk in hand while it sleeps, so its late completion would find them
@@ -299,7 +311,9 @@ class ChaosReport:
     rows_with_one_terminal_write: int
     rows_with_more_terminal_writes: int
     side_effects: int
-    extra_side_effects: int
+    extra_side_effects: int  # side effects of a (run, step) that already had one
+    # ... by what ended the attempt that executed the step before (see _duplicates_by_cause)
+    duplicate_executions_by_cause: dict[str, int]
     reexecuted_completed_steps: int
     stale_rows: int
     stale_admissions: int
@@ -307,6 +321,7 @@ class ChaosReport:
     rows_written_after_close: int
     rows_taken_over: int  # rows finished by another run than the one that first admitted them
     attempts: int
+    attempts_per_run: dict[str, float]  # max and mean
     attempt_outcomes: dict[str, int]
     most_failures_of_a_run: int  # its attempts that failed or lapsed (the policy allows 4)
     last_fault_to_done_s: float
@@ -393,6 +408,9 @@ class _Processes:
         self.ready: list[Path] = []  # each worker's ready file: its worker id
         self.zombies: list[Zombie] = []
         self.zombie: Zombie | None = None  # stopped now, or just woken
+        # The workers SIGKILLed, each with the time of its kill: an attempt of one still
+        # open then lost its lease to the kill.
+        self.killed: dict[str, datetime] = {}
         # The last time (the database's clock) the workers' connections were cut: by the
         # restart, or by terminated backends.
         self.cut_at = datetime.min.replace(tzinfo=UTC)
@@ -439,11 +457,13 @@ class _Processes:
         place."""
         spared = self.zombie.pid if self.zombie is not None else None
         i = self.rng.choice([i for i, p in enumerate(self.workers) if p.pid != spared])
-        killed = self.worker_id(i) or f"worker {i}"
+        worker_id = self.worker_id(i)  # (no ready file yet: it has claimed nothing)
+        if worker_id is not None:
+            self.killed[worker_id] = datetime.now(UTC)
         self.signal(self.workers[i], signal.SIGKILL)
         self.workers[i].wait()
         self.start_worker(i)
-        return killed
+        return worker_id or f"worker {i}"
 
     def terminate_backends(self) -> int:
         """Terminate every client backend of the database but the zombie's (a cut
@@ -692,6 +712,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
             cfg,
             run_ids,
             procs.zombies,
+            procs.killed,
             kills,
             restarts,
             terminations,
@@ -711,6 +732,7 @@ def _report(
     cfg: ChaosConfig,
     run_ids: list[str],
     zombies: list[Zombie],
+    killed: dict[str, datetime],
     kills: int,
     restarts: int,
     terminations: int,
@@ -801,7 +823,13 @@ def _report(
         "  ON r.scope = 'run:' || s.run_id AND r.step_key = s.key "
         " WHERE r.status = 'completed' AND r.completed_at < s.at",
     )
+    by_cause = _duplicates_by_cause(url, zombies, killed)
     ((attempts,),) = _query(url, "SELECT count(*) FROM wq_attempts")
+    ((most_attempts, mean_attempts),) = _query(
+        url,
+        "SELECT coalesce(max(n), 0), coalesce(avg(n), 0) FROM"
+        " (SELECT count(*) AS n FROM wq_attempts GROUP BY run_id) t",
+    )
     ((most_failures,),) = _query(
         url,
         "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM wq_attempts"
@@ -823,6 +851,10 @@ def _report(
         )
     if reexecuted:
         problems.append(f"{reexecuted} completed steps executed again")
+    if by_cause.get("database"):
+        problems.append(
+            f"{by_cause['database']} step executions repeated after database faults alone"
+        )
     asleep = [z.worker_id for z in zombies if not z.lapsed]
     if asleep:
         problems.append(f"zombies woken before their leases were gone: {asleep}")
@@ -857,6 +889,7 @@ def _report(
         rows_with_more_terminal_writes=int(more),
         side_effects=int(effects),
         extra_side_effects=int(extra),
+        duplicate_executions_by_cause=by_cause,
         reexecuted_completed_steps=int(reexecuted),
         stale_rows=int(stale),
         stale_admissions=int(stale_admissions),
@@ -864,12 +897,113 @@ def _report(
         rows_written_after_close=int(after_close),
         rows_taken_over=int(taken_over),
         attempts=int(attempts),
+        attempts_per_run={"max": int(most_attempts), "mean": round(float(mean_attempts), 2)},
         attempt_outcomes={str(k): int(v) for k, v in outcomes.items()},
         most_failures_of_a_run=int(most_failures),
         last_fault_to_done_s=round(last_fault_to_done_s, 2),
         total_s=round(total_s, 2),
         problems=problems,
     )
+
+
+def _duplicates_by_cause(
+    url: str, zombies: list[Zombie], killed: dict[str, datetime]
+) -> dict[str, int]:
+    """The step executions that repeated an earlier one (a side effect of a run and step
+    that already had one), by what made the step run again, as decided by the attempt of
+    the execution before: ``zombie`` when it was an attempt a zombie held when stopped,
+    ``worker_killed`` when its worker was SIGKILLed while it was open; else its worker
+    never died, and a database fault alone ended it: ``paid_call`` when the play's own
+    paid call met it (the play's connection, to the faulted database: the payment
+    committed, its answer lost; the worker's absorption does not reach a play's own
+    calls), ``database`` otherwise. Only causes with executions are keys."""
+    held = {(run_id, attempt) for z in zombies for run_id, attempt in z.held}
+    rows = _query(
+        url,
+        "SELECT e.run_id::text, e.before, a.worker_id, a.finished_at,"
+        "       a.error ->> 'traceback', count(*) FROM"
+        " (SELECT run_id, lag(attempt) OVER (PARTITION BY run_id, key ORDER BY at, attempt)"
+        "         AS before FROM test_side_effects) e"
+        "  LEFT JOIN wq_attempts a ON a.run_id = e.run_id AND a.attempt = e.before"
+        " WHERE e.before IS NOT NULL GROUP BY 1, 2, 3, 4, 5",
+    )
+    causes: dict[str, int] = {}
+    for run_id, attempt, worker_id, finished_at, traceback, n in rows:
+        if (run_id, attempt) in held:
+            cause = "zombie"
+        elif worker_id in killed and (finished_at is None or finished_at >= killed[worker_id]):
+            cause = "worker_killed"
+        elif _raised_by_the_play(traceback):
+            cause = "paid_call"
+        else:
+            cause = "database"
+        causes[cause] = causes.get(cause, 0) + int(n)
+    return causes
+
+
+def _raised_by_the_play(traceback: str | None) -> bool:
+    """Whether an attempt's error was raised by a call of the play's own (the innermost
+    frame of this tree's code is the app's, ``tests/apps``), not by a call to the worker
+    (``worker``, ``queues``)."""
+    own = [
+        parts
+        for file in re.findall(r'File "([^"]+)"', traceback or "")
+        if (path := Path(file)).is_relative_to(ROOT)
+        and (parts := path.relative_to(ROOT).parts)[0] in ("worker", "queues", "tests")
+    ]
+    return bool(own) and own[-1][:2] == ("tests", "apps")
+
+
+def summarize(report: ChaosReport) -> dict[str, Any]:
+    """The faults dealt and what they left, for :mod:`bench.results`: every figure but
+    the faults' counts and the times should be zero."""
+    stale = (
+        report.stale_rows
+        + report.stale_admissions
+        + report.stale_receipts
+        + report.rows_written_after_close
+    )
+    shown = [
+        ("runs", "runs", "runs", report.runs, True),
+        ("rows", "rows per run", "rows", report.rows_per_run, True),
+        ("kills", "workers SIGKILLed", "faults", report.kills, True),
+        ("restarts", "Postgres crash-restarts", "faults", report.postgres_restarts, True),
+        ("terminations", "backend terminations", "faults", report.backend_terminations, True),
+        ("zombies", "zombies", "faults", report.zombies, True),
+        ("refused", "writes the fence refused", "writes", sum(report.refusals.values()), True),
+        (
+            "unfinished",
+            "runs not succeeded",
+            "runs",
+            report.runs - report.states.get("succeeded", 0),
+            False,
+        ),
+        ("stale", "stale writes applied", "writes", stale, False),
+        (
+            "twice",
+            "rows finished more than once",
+            "rows",
+            report.rows_with_more_terminal_writes,
+            False,
+        ),
+        (
+            "replayed",
+            "completed steps run again",
+            "steps",
+            report.reexecuted_completed_steps,
+            False,
+        ),
+        (
+            "recovery_s",
+            "last fault to last run done",
+            "s",
+            round(report.last_fault_to_done_s, 1),
+            False,
+        ),
+        ("problems", "problems", "problems", len(report.problems), False),
+    ]
+    metrics = [metric(k, label, unit, higher_is_better=h) for k, label, unit, _, h in shown]
+    return summary(metrics, {"ours": {k: v for k, _, _, v, _ in shown}}, ratios={})
 
 
 def main() -> None:
@@ -879,13 +1013,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=ci.rows)
     parser.add_argument("--sheets", type=int, default=ci.sheets)
     parser.add_argument("--seed", type=int, default=ci.seed)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     args = parser.parse_args()
     cfg = ChaosConfig(runs=args.runs, rows=args.rows, sheets=args.sheets, seed=args.seed)
+    started = time.perf_counter()
+    record = results_start("chaos", asdict(cfg))
     report = run_chaos(cfg)
     print(json.dumps(asdict(report), indent=2))
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"chaos-{cfg.runs}x{cfg.rows}.json").write_text(json.dumps(asdict(report), indent=2))
+    record["results"] = asdict(report)
+    record["summary"] = summarize(report)
+    if not report.ok:
+        record["error"] = "; ".join(report.problems)
+    path = results_finish(record, args.out, elapsed_s=time.perf_counter() - started)
+    print(f"wrote {path}", file=sys.stderr)
     sys.exit(0 if report.ok else 1)
 
 

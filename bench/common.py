@@ -5,25 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import procrastinate
 import psycopg
 import structlog
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from bench import results
 from worker import embedded
 
 
@@ -77,20 +74,6 @@ def percentile(values: list[float], p: float) -> float:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def report_header(args: argparse.Namespace) -> dict[str, Any]:
-    """The start of a benchmark's JSON report: when, with what options, on what host."""
-    return {
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_start": os.getloadavg()[0],
-            "procrastinate": getattr(procrastinate, "__version__", None),
-        },
-    }
 
 
 def quiet_logging() -> None:
@@ -157,21 +140,22 @@ def postgres_of(server: embedded.EmbeddedServer) -> dict[str, Any]:
 
 
 def run_on_throwaway_server(
+    bench: str,
     args: argparse.Namespace,
-    body: Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Awaitable[None]],
+    body: Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Coroutine[Any, Any, None]],
 ) -> int:
     """A benchmark's main: a throwaway Postgres at server defaults in a fresh directory
     (from ``args.pg_bin`` when the benchmark takes ``--pg-bin``; its version is recorded
     under ``postgres``), the async ``body(server, home, report)`` run against it, the
-    server stopped and its directory removed whatever happens, then the JSON report
-    written to ``args.out``.
+    server stopped and its directory removed whatever happens, then the report written
+    as ``bench``'s results file (:mod:`bench.results`; ``args.out`` when given).
     Returns the exit code (1 when the body raised :class:`BenchError`)."""
     started = time.perf_counter()
     quiet_logging()
     signal.signal(signal.SIGTERM, sigterm_exits)
     home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
     home.chmod(0o755)
-    report = report_header(args)
+    report = results.start(bench, args)
     code = 0
     try:
         use_pg_bin(args)
@@ -190,9 +174,6 @@ def run_on_throwaway_server(
         with contextlib.suppress(Exception):
             embedded.stop(home, mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
-    report["host"]["loadavg_end"] = os.getloadavg()[0]
-    report["duration_s"] = round(time.perf_counter() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nwrote {args.out} ({report['duration_s']} s)")
+    path = results.finish(report, args.out, elapsed_s=time.perf_counter() - started)
+    print(f"\nwrote {path} ({report['duration_s']} s)")
     return code

@@ -33,7 +33,7 @@ trivial runs, admitted in batches as it goes, and the process's ``VmRSS`` is sam
 ``--rss-every`` (10,000) finished runs (the submitter shares the process).
 
 Run: ``v/bin/python -m bench.history`` (about 10 minutes on 2 cores). Results: a table on
-stdout, progress on stderr, ``bench/results/history.json``.
+stdout, progress on stderr, a results file under ``bench/results/`` (:mod:`bench.results`).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from bench.common import (
     server_info,
     wait_until,
 )
+from bench.results import metric, summary
 from bench.throughput import server_cpu_s
 from queues import admission, lanes, migrations, recovery
 from worker import embedded
@@ -69,7 +70,6 @@ from worker.plays import Registry
 from worker.runtime import Settings, Worker
 
 RELEASE = "bench"
-RESULTS = Path(__file__).resolve().parent / "results" / "history.json"
 REFERENCE_RUNS = 100
 RETENTION_S = 365 * 86400.0  # the longest retention the lane policy accepts
 SPACING_S = 0.002  # synthesized history: one finished run every 2 ms
@@ -96,9 +96,7 @@ SERVER_SETTINGS = (
     "max_wal_size",
 )
 UNFINISHED = "SELECT count(*) FROM wq_runs WHERE state IN ('queued', 'running', 'sleeping')"
-PENDING = (
-    "SELECT EXISTS (SELECT 1 FROM wq_runs WHERE state IN ('queued', 'running', 'sleeping'))"
-)
+PENDING = "SELECT EXISTS (SELECT 1 FROM wq_runs WHERE state IN ('queued', 'running', 'sleeping'))"
 # Recovery passes (procrastinate periodic jobs, one a minute) that ran in a window.
 RECOVERY_JOBS = (
     "SELECT count(*) FROM procrastinate_jobs"
@@ -932,6 +930,74 @@ def print_report(results: dict[str, Any], args: argparse.Namespace) -> None:
         )
 
 
+def summarize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Ours per history size for :mod:`bench.results`: the drain, the server's CPU per
+    run, one recovery pass and the database's size; each drain against the empty
+    history's; and the worker's RSS over the series."""
+    metrics: list[dict[str, Any]] = []
+    figures: dict[str, float | None] = {}
+    ratios: dict[str, dict[str, float]] = {}
+    for r in results.get("histories", []):
+        if "drain" not in r or "recovery_pass" not in r:
+            continue
+        h, d = r["history"], r["drain"]
+        at = f"history {h:,}"
+        rows = [
+            (
+                f"drain_{h}",
+                f"drain {args.runs:,} at concurrency {args.concurrency}, {at}",
+                "runs/s",
+                True,
+                d["per_s"],
+            ),
+            (
+                f"server_cpu_{h}",
+                f"server CPU per run, {at}",
+                "us",
+                False,
+                d["server_cpu_us_per_run"],
+            ),
+            (
+                f"recovery_pass_{h}",
+                f"one recovery pass, {at}",
+                "s",
+                False,
+                r["recovery_pass"]["seconds"],
+            ),
+            (
+                f"database_mb_{h}",
+                f"database, {at}",
+                "MB",
+                False,
+                round(r["database_bytes"] / 1048576, 1),
+            ),
+        ]
+        for key, label, unit, higher, value in rows:
+            metrics.append(metric(key, label, unit, higher_is_better=higher))
+            figures[key] = value
+        if h and r.get("ratio_to_empty"):
+            ratios[f"drain_{h}"] = {"empty history": round(r["ratio_to_empty"], 2)}
+    rss = results.get("rss")
+    if rss:
+        samples = rss["samples"]
+        metrics += [
+            metric("rss_ready", "worker RSS at ready", "MiB", higher_is_better=False),
+            metric(
+                "rss_end", f"worker RSS after {rss['runs']:,} runs", "MiB", higher_is_better=False
+            ),
+            metric(
+                "rss_growth",
+                f"worker RSS max / min from {args.rss_every:,} runs on",
+                "x",
+                higher_is_better=False,
+            ),
+        ]
+        figures["rss_ready"] = round(samples[0]["VmRSS"] / 1024, 1)
+        figures["rss_end"] = round(samples[-1]["VmRSS"] / 1024, 1)
+        figures["rss_growth"] = rss["max_over_min"]
+    return summary(metrics, {"ours": figures}, ratios=ratios)
+
+
 def _sizes(text: str) -> list[int]:
     return [int(x.replace("_", "")) for x in text.split(",") if x.strip()]
 
@@ -952,7 +1018,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--slow-ms", type=float, default=50.0, help="recovery statements slower than this: plans"
     )
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     args = p.parse_args(argv)
     if args.runs < 1 or args.concurrency < 1 or args.chunk < 1 or args.rss_every < 1:
         p.error("counts must be positive")
@@ -966,10 +1034,13 @@ def main(argv: list[str] | None = None) -> int:
         admin_url = server.url("postgres")
         report["server"] = await server_info(admin_url, SERVER_SETTINGS)
         report["results"] = {}
-        await run_bench(admin_url, server.pid, args, report["results"])
+        try:
+            await run_bench(admin_url, server.pid, args, report["results"])
+        finally:  # the sizes measured, also when a later one failed
+            report["summary"] = summarize(report["results"], args)
         print_report(report["results"], args)
 
-    return run_on_throwaway_server(args, body)
+    return run_on_throwaway_server("history", args, body)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ and, for every major after the first, ours on it over ours on the first.
 
     python -m bench.majors --pg-bin embedded --pg-bin /usr/lib/postgresql/15/bin --rounds 2
     python -m bench.majors --tabulate DIR        # the table of reports already in DIR
-    python -m bench.majors ... --out docs/performance/majors.json --doc docs/performance.md
 
-See docs/performance.md.
+The table is written as a results file under ``bench/results/`` (:mod:`bench.results`;
+``--out`` names another path), which ``python -m bench.report`` shows in
+docs/performance.md. The rounds' own reports stay in ``--dir``
+(``bench/results/majors/``), which the report does not read.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench import results
+from bench.results import as_speed, metric, summary
 
 ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED = "embedded"
@@ -172,19 +177,26 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-DOC_BEGIN, DOC_END = "<!-- majors:table -->", "<!-- /majors:table -->"
-
-
-def write_doc(page: Path, table: dict[str, Any]) -> None:
-    """Replace the marked section of ``page`` with the table and when it was made."""
-    text = page.read_text()
-    if DOC_BEGIN not in text or DOC_END not in text:
-        raise SystemExit(f"bench.majors: {page} has no {DOC_BEGIN} ... {DOC_END} section")
-    rounds = ", ".join(f"{v}: {min(n.values())} round(s)" for v, n in table["rounds"].items())
-    made = f"Tabulated {table['tabulated_at']} ({rounds})."
-    block = f"{DOC_BEGIN}\n{made}\n\n{markdown(table)}\n{DOC_END}"
-    before, rest = text.split(DOC_BEGIN, 1)
-    page.write_text(before + block + rest.split(DOC_END, 1)[1])
+def summarize(table: dict[str, Any]) -> dict[str, Any]:
+    """The table for :mod:`bench.results`: ours per major (the columns), and each major
+    after the first against the first (``15.18 / 18.6``)."""
+    majors: list[str] = table["majors"]
+    systems = {v: f"Postgres {v}" for v in majors}
+    metrics = []
+    for label, _, _, higher in FIGURES:  # "drain c10, cold (runs/s)": the unit in brackets
+        shown, unit = label.removesuffix(")").rsplit(" (", 1)
+        metrics.append(metric(label, shown, unit, higher_is_better=higher))
+    figures = {
+        systems[v]: {label: table["figures"][label][v] for label, *_ in FIGURES} for v in majors
+    }
+    ratios: dict[str, dict[str, float]] = {}
+    for label, _, _, higher in FIGURES:
+        first = table["figures"][label][majors[0]]
+        for v in majors[1:]:
+            speed = as_speed(table["figures"][label][v], first, higher_is_better=higher)
+            if speed is not None:
+                ratios.setdefault(label, {})[f"{v} / {majors[0]}"] = speed
+    return summary(metrics, figures, subject=None, ratios=ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,26 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=ROOT / "bench" / "results" / "majors")
     p.add_argument("--tabulate", type=Path, metavar="DIR", help="only tabulate DIR's reports")
     p.add_argument(
-        "--out", type=Path, default=None, help="the table as JSON (default DIR/majors.json)"
-    )
-    p.add_argument(
-        "--doc", type=Path, default=None, help="write the table into this page's marked section"
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
     )
     args = p.parse_args(argv)
     folder = args.tabulate or args.dir
+    report = results.start("majors", args)
     if args.tabulate is None:
         if len(args.pg_bin) < 2:
             p.error("give two --pg-bin or more (the embedded server is 'embedded')")
         run(args.pg_bin, args.rounds, folder)
     table = tabulate(folder)
     table["tabulated_at"] = datetime.now(UTC).isoformat(timespec="seconds")
-    out = args.out or folder / "majors.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(table, indent=2) + "\n")
+    report["results"] = table
+    report["summary"] = summarize(table)
+    out = results.finish(report, args.out)
     print(markdown(table))
-    if args.doc is not None:
-        write_doc(args.doc, table)
-        print(f"wrote the table into {args.doc}")
     print(f"\nwrote {out}")
     return 0
 

@@ -17,7 +17,8 @@ at the end, even on error), one fresh database per system:
    insert the page into a sheet-like table, insert its receipts, one fenced UPDATE of the
    page's outputs. Variants at server defaults: ``INSERT ... SELECT FROM unnest`` and
    ``COPY``; and a separate, named tuned row: unnest with ``enable_nestloop = off`` in its
-   session (see bench/README.md). Statements are never server-side prepared.
+   session (without it the planner may run the UPDATE on the never-analyzed table as a
+   page x page nested loop). Statements are never server-side prepared.
 3. procrastinate, as a competent user would batch: one job per page (``--rows`` rows in
    jobs of ``--page``); the task computes the page's outputs and writes them with one
    set-based ``UPDATE ... FROM unnest``. And, for scale, one job per row
@@ -26,7 +27,8 @@ at the end, even on error), one fresh database per system:
    the queue is empty) drains them.
 
 Run: ``.venv/bin/python -m bench.rows [--rows 100000] [--page 1000]``. Results: a table on
-stdout and ``bench/results/rows.json``. See ``bench/README.md``.
+stdout and a results file under ``bench/results/`` (:mod:`bench.results`). See
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,9 @@ from bench.common import (
     sigterm_exits,
     use_pg_bin,
 )
+from bench.results import finish as results_finish
+from bench.results import metric, summary
+from bench.results import start as results_start
 from queues import admission, lanes, migrations, receipts
 from queues.inputs import InputPages
 from worker import embedded
@@ -83,7 +87,6 @@ SHEET = "bench-rows"
 ORG = "default"
 PROCRASTINATE_QUEUE = "rows"
 POLL_S = 0.1
-RESULTS = Path(__file__).resolve().parent / "results" / "rows.json"
 TARGET_FLOOR_RATIO = 0.7  # ours / the floor at server defaults (INSERT ... FROM unnest)
 TARGET_PROCRASTINATE_RATIO = 20.0
 TARGET_RSS_MB = 150.0
@@ -692,6 +695,54 @@ def ratios(results: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+LABELS = {
+    "ours": "ours",
+    "floor_unnest": "floor: unnest",
+    "floor_copy": "floor: COPY",
+    "floor_unnest_tuned": "floor, tuned (enable_nestloop = off)",
+    "procrastinate_pages": "procrastinate, 1 job per page",
+    "procrastinate": "procrastinate, 1 job per row",
+}
+
+
+def summarize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Every system's rows per second for :mod:`bench.results` (bare procrastinate's jobs
+    per second: one job a row, on ``--procrastinate-rows``), and ours' peak RSS at both
+    sizes."""
+    metrics = [
+        metric("rows_per_s", f"rows of one run, {args.rows:,}", "rows/s"),
+        metric("peak_rss", f"worker peak RSS, {args.rows:,} rows", "MB", higher_is_better=False),
+    ]
+    figures: dict[str, dict[str, float | None]] = {}
+    ours = results.get("ours")
+    if ours:
+        figures["ours"] = {
+            "rows_per_s": ours["rows_per_s"],
+            "peak_rss": ours["worker_peak_rss_mb"],
+        }
+    small = results.get("ours_small")
+    if small:
+        metrics.append(
+            metric(
+                "peak_rss_small",
+                f"worker peak RSS, {small['rows']:,} rows",
+                "MB",
+                higher_is_better=False,
+            )
+        )
+        figures.setdefault("ours", {})["peak_rss_small"] = small["worker_peak_rss_mb"]
+    for variant, cell in results.get("floor", {}).items():
+        figures[f"floor_{variant}"] = {"rows_per_s": cell["rows_per_s"]}
+    if "procrastinate_pages" in results:
+        figures["procrastinate_pages"] = {
+            "rows_per_s": results["procrastinate_pages"]["rows_per_s"]
+        }
+    if "procrastinate" in results:
+        figures["procrastinate"] = {"rows_per_s": results["procrastinate"]["jobs_per_s"]}
+    per_row = f"{LABELS['procrastinate']} ({args.procrastinate_rows:,} rows)"
+    return summary(metrics, figures, labels=LABELS | {"procrastinate": per_row})
+
+
 def print_table(results: dict[str, Any], ratio: dict[str, float]) -> None:
     print()
     print(f"{'system':<44}{'rows':>8}{'seconds':>10}{'rows/s':>10}")
@@ -792,7 +843,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="ours,floor,procrastinate",
         help="comma-separated subset of ours,floor,procrastinate",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
     add_pg_bin(parser)
     args = parser.parse_args(argv)
@@ -818,27 +871,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, sigterm_exits)
     home = Path(tempfile.mkdtemp(prefix="wq-rows-", dir="/tmp"))
     home.chmod(0o755)
-    report: dict[str, Any] = {
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": {
+    report = results_start(
+        "rows",
+        {
             "rows": args.rows,
             "small_rows": args.small_rows,
             "page": args.page,
             "procrastinate_rows": args.procrastinate_rows,
             "concurrency": args.concurrency,
+            "systems": args.systems,
             "poll_s": POLL_S,
             "pg_bin": None if args.pg_bin is None else str(args.pg_bin),
         },
-        "host": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "procrastinate": getattr(procrastinate, "__version__", None),
-        },
-        "targets": {
-            "ours_over_floor": TARGET_FLOOR_RATIO,
-            "ours_over_procrastinate": TARGET_PROCRASTINATE_RATIO,
-            "worker_peak_rss_mb": TARGET_RSS_MB,
-        },
+    )
+    report["targets"] = {
+        "ours_over_floor": TARGET_FLOOR_RATIO,
+        "ours_over_procrastinate": TARGET_PROCRASTINATE_RATIO,
+        "worker_peak_rss_mb": TARGET_RSS_MB,
     }
     results: dict[str, Any] = {}
     report["results"] = results
@@ -870,11 +919,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(home, ignore_errors=True)
     if results:  # partial on failure: the phases that ended
         report["ratios"] = ratios(results)
+        report["summary"] = summarize(results, args)
         print_table(results, report["ratios"])
-    report["duration_s"] = round(time.perf_counter() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nresults: {args.out} ({report['duration_s']} s)")
+    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
+    print(f"\nresults: {path} ({report['duration_s']} s)")
     return code
 
 

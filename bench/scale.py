@@ -7,11 +7,11 @@ each host count (1, 2, 4, 8 by default) the hosts serve one lane and the bench m
 
 - **trivial runs/s**: a play that returns at once. A batch is admitted in one transaction
   while the hosts are idle and ready; throughput = runs / (last finish - commit), both
-  server timestamps. CPU-bound: on this 2-core machine the hosts, Postgres and PgBouncer
-  share the same two cores, so this does not grow with hosts here.
+  server timestamps. CPU-bound: the hosts, Postgres and PgBouncer share the machine's
+  cores, so on a small machine this does not grow with hosts.
 - **IO-bound runs/s**: a play that awaits 50 ms (an API call), ``io_rounds`` x hosts x
-  concurrency runs, measured the same way. Each host runs ``--concurrency`` (4) attempts
-  at once, so one host does at most 4 / 50 ms = 80 runs/s: latency-bound, a small
+  concurrency runs, measured the same way. Each host runs ``--concurrency`` (2) attempts
+  at once, so one host does at most 2 / 50 ms = 40 runs/s: latency-bound, a small
   fraction of a core. This is what adding hosts scales.
 - **pickup p50/p99**: single submits 25 ms apart to idle hosts; from the admission's
   return (committed) to the play's first line, one clock (LISTEN wakes a host at once;
@@ -28,6 +28,9 @@ links' addresses too, SCRAM only) and removes everything at the end, also on Ctr
     python -m bench.scale --pgbouncer           # through PgBouncer (transaction mode)
     python -m bench.scale --pgbouncer --no-listen   # ... and no LISTEN: polling
     python -m bench.scale --json                # the last line is {"rows": [...]}
+
+Results: a table on stdout (stderr with ``--json``) and a results file under
+``bench/results/`` (:mod:`bench.results`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ import psycopg
 
 from bench import hosts as hostlib
 from bench.common import percentile, quiet_logging, scalar, sigterm_exits
+from bench.results import finish as results_finish
+from bench.results import metric, summary
+from bench.results import start as results_start
 from bench.throughput import server_cpu_s
 from queues import admission, lanes, migrations, roles
 from worker import embedded
@@ -478,6 +484,35 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def summarize(rows: list[Row]) -> dict[str, Any]:
+    """Per host count, for :mod:`bench.results`: the run's mode (how the hosts reach
+    Postgres and are woken) is the column; each host count's IO-bound rate is also set
+    against one host's."""
+    metrics: list[dict[str, Any]] = []
+    figures: dict[str, float | None] = {}
+    ratios: dict[str, dict[str, float]] = {}
+    base = rows[0].io_runs_per_s if rows and rows[0].hosts == 1 else None
+    for r in rows:
+        at = f"{r.hosts} host{'s' if r.hosts > 1 else ''}"
+        for key, label, unit, higher, value in (
+            ("connections", "Postgres connections", "connections", False, r.connections),
+            ("trivial", "trivial runs", "runs/s", True, r.trivial_runs_per_s),
+            ("io", f"IO-bound runs ({IO_SLEEP_S * 1000:.0f} ms)", "runs/s", True, r.io_runs_per_s),
+            ("pickup_p50", "pickup p50", "ms", False, r.pickup_p50_ms),
+            ("pickup_p99", "pickup p99", "ms", False, r.pickup_p99_ms),
+            ("worker_cpu", "worker CPU per IO run", "ms", False, r.worker_cpu_ms_per_io_run),
+            ("postgres_cpu", "Postgres CPU per IO run", "ms", False, r.postgres_cpu_ms_per_io_run),
+        ):
+            metrics.append(
+                metric(f"{key}_{r.hosts}", f"{label}, {at}", unit, higher_is_better=higher)
+            )
+            figures[f"{key}_{r.hosts}"] = value
+        if base and r.hosts > 1:
+            ratios[f"io_{r.hosts}"] = {"1 host": round(r.io_runs_per_s / base, 2)}
+    mode = f"{rows[0].via}, {rows[0].wakeups}" if rows else "-"
+    return summary(metrics, {mode: figures}, subject=mode, ratios=ratios)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__)
     parser.add_argument("--hosts", default="1,2,4,8", help="host counts (default 1,2,4,8)")
@@ -500,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-listen", action="store_true", help="PgBouncer and no LISTEN")
     parser.add_argument("--loopback", action="store_true", help="no namespaces")
     parser.add_argument("--json", action="store_true", help="last line: {'rows': [...]}")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     args = parser.parse_args(argv)
     quiet_logging()
     signal.signal(signal.SIGTERM, sigterm_exits)
@@ -507,8 +545,14 @@ def main(argv: list[str] | None = None) -> int:
     def echo(line: str) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    started = time.perf_counter()
+    report = results_start("scale", args)
     rows = run(args, echo)
+    report["results"] = {"rows": [asdict(r) for r in rows]}
+    report["summary"] = summarize(rows)
+    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
     print(table(rows, args), file=sys.stderr if args.json else sys.stdout, flush=True)
+    echo(f"\nwrote {path}")
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows]}), flush=True)
     return 0

@@ -23,7 +23,8 @@ the server per job: on a busy host, wall-clock ratios are noisy, CPU per job is 
 ``--rounds N`` repeats everything on fresh databases and reports the median round.
 
 Run: ``.venv/bin/python -m bench.throughput [--runs 5000] [--latency-samples 300]
-[--concurrency 16]``. Results: a table on stdout and ``bench/results/throughput.json``.
+[--concurrency 16]``. Results: a table on stdout and a results file under ``bench/results/``
+(:mod:`bench.results`).
 """
 
 from __future__ import annotations
@@ -31,10 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -43,7 +42,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +54,15 @@ from bench.common import (
     create_database,
     drop_database,
     percentile,
+    postgres_of,
     quiet_logging,
     scalar,
     server_info,
     sigterm_exits,
 )
+from bench.results import finish as results_finish
+from bench.results import metric, summary
+from bench.results import start as results_start
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.demo import demo_plays
@@ -77,7 +79,6 @@ SERVER_SETTINGS = (
 PROCRASTINATE_QUEUE = "bench"
 POLL_S = 0.05  # completion polling period
 LATENCY_SPACING_S = 0.02
-RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 
 PHASES = (
     ("submit_drain_cold", "submit+drain, cold stats"),
@@ -659,8 +660,10 @@ def aggregate(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             out[name][phase] = median
         lat = [r[name]["latency"] for r in rounds if "latency" in r[name]]
         if lat:
+            pickups = [s for r in lat for s in r["pickup_s"]]
             out[name]["latency"] = {
-                "pickup": ms_summary([s for r in lat for s in r["pickup_s"]]),
+                "pickup": ms_summary(pickups)
+                | {"samples_ms": [round(s * 1000, 3) for s in pickups]},
                 "submit_call": ms_summary([s for r in lat for s in r["submit_call_s"]]),
             }
         out[name]["per_round"] = [
@@ -694,6 +697,51 @@ def ratios(results: dict[str, Any]) -> dict[str, Any]:
                 ours["latency"]["pickup"][key] / bare["latency"]["pickup"][key], 3
             )
     return out
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """Both systems' figures for :mod:`bench.results`: jobs/s and CPU per job of each
+    phase, the pickup's percentiles and samples, the submit call's p50."""
+    metrics = []
+    for phase, label in PHASES:
+        metrics.append(metric(phase, label, "jobs/s"))
+    for phase, label in PHASES:
+        metrics.append(
+            metric(
+                f"{phase}_cpu",
+                f"{label}, CPU per job (client + server)",
+                "us",
+                higher_is_better=False,
+            )
+        )
+    for key in ("p50", "p95", "p99"):
+        metrics.append(
+            metric(f"pickup_{key}", f"pickup latency {key}", "ms", higher_is_better=False)
+        )
+    metrics.append(metric("submit_call_p50", "submit call p50", "ms", higher_is_better=False))
+    figures: dict[str, dict[str, float | None]] = {}
+    samples: dict[str, list[float]] = {}
+    for name, side in results.items():
+        mine: dict[str, float | None] = {}
+        for phase, _ in PHASES:
+            if phase in side:
+                cpu = side[phase]["cpu"]
+                mine[phase] = side[phase]["jobs_per_s"]
+                mine[f"{phase}_cpu"] = round(cpu["client_us_per_job"] + cpu["server_us_per_job"], 1)
+        if "latency" in side:
+            pickup = side["latency"]["pickup"]
+            for key in ("p50", "p95", "p99"):
+                mine[f"pickup_{key}"] = pickup[f"{key}_ms"]
+            mine["submit_call_p50"] = side["latency"]["submit_call"]["p50_ms"]
+            samples[name] = pickup.get("samples_ms", [])
+        figures[name] = mine
+    return summary(
+        metrics,
+        figures,
+        distributions=[
+            {"key": "pickup", "label": "pickup latency", "unit": "ms", "samples": samples}
+        ],
+    )
 
 
 def print_table(results: dict[str, Any], ratio: dict[str, Any]) -> None:
@@ -790,7 +838,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="ours,procrastinate",
         help="comma-separated subset of ours,procrastinate",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     parser.add_argument("--timeout", type=float, default=900, help="overall limit in seconds")
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -807,26 +857,21 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, sigterm_exits)
     home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
     home.chmod(0o755)
-    report: dict[str, Any] = {
-        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "config": {
+    report = results_start(
+        "throughput",
+        {
             "runs": args.runs,
             "latency_samples": args.latency_samples,
             "concurrency": args.concurrency,
             "submitters": args.submitters,
             "rounds": args.rounds,
             "logs": args.logs,
+            "systems": args.systems,
             "completion_poll_s": POLL_S,
             "latency_spacing_s": LATENCY_SPACING_S,
             "worker_poll_interval_s": POLL_INTERVAL_S,
         },
-        "host": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "procrastinate": getattr(procrastinate, "__version__", None),
-            "loadavg_start": loadavg(),
-        },
-    }
+    )
     cpus = os.cpu_count() or 1
     if (load := loadavg()) is not None and load > cpus / 2:
         print(
@@ -839,6 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = embedded.ensure_running(home)
         admin_url = server.url("postgres")
+        report["postgres"] = postgres_of(server)
         print(f"throwaway Postgres {server.major_version} on port {server.port} ({home})")
 
         async def body() -> dict[str, Any]:
@@ -852,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report["results"] = asyncio.run(body())
         report["ratios"] = ratios(report["results"])
+        report["summary"] = summarize(report["results"])
         print_table(report["results"], report["ratios"])
     except (BenchError, TimeoutError) as exc:
         report["error"] = str(exc) or type(exc).__name__
@@ -865,11 +912,8 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(Exception):
             embedded.stop(home, mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
-    report["host"]["loadavg_end"] = loadavg()
-    report["duration_s"] = round(time.perf_counter() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nwrote {args.out} ({report['duration_s']} s)")
+    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
+    print(f"\nwrote {path} ({report['duration_s']} s)")
     return code
 
 

@@ -37,7 +37,7 @@ the same claims, so that row's CPU difference is what the emulation itself costs
 counts and the pickup latency carry no such bias.
 
 Run: ``v/bin/python -m bench.wake`` (about a minute on 2 cores). Results: a table on stdout
-and ``bench/results/wake.json``.
+and a results file under ``bench/results/`` (:mod:`bench.results`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from bench.baselines import FirstStart, latency_summary, wait_until
+from bench.baselines import FirstStart, latency_summary
 from bench.common import (
     BenchError,
     connect,
@@ -61,7 +61,9 @@ from bench.common import (
     drop_database,
     run_on_throwaway_server,
     server_info,
+    wait_until,
 )
+from bench.results import metric, summary
 from bench.throughput import server_cpu_s
 from queues import admission, lanes, migrations, transport
 from worker import embedded
@@ -69,7 +71,6 @@ from worker.plays import Registry
 from worker.runtime import Settings, Worker
 
 RELEASE = "bench"
-RESULTS = Path(__file__).resolve().parent / "results" / "wake.json"
 SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
 MODES = ("wake-one", "broadcast")
 CONCURRENCY = 10
@@ -264,6 +265,42 @@ def ratios(out: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def summarize(results: dict[int, Any]) -> dict[str, Any]:
+    """Both modes' figures per worker count for :mod:`bench.results`: claims and empty
+    claims per run, the pickup's p50 and p99 (and its samples), the server's CPU per
+    run; wake-one is the subject, the broadcast its baseline."""
+    metrics: list[dict[str, Any]] = []
+    figures: dict[str, dict[str, float | None]] = {mode: {} for mode in MODES}
+    distributions = []
+    for k, out in results.items():
+        at = f"{k} idle worker{'s' if k > 1 else ''}"
+        metrics += [
+            metric(f"claims_{k}", f"claims per run, {at}", "claims", higher_is_better=False),
+            metric(f"empty_{k}", f"empty claims per run, {at}", "claims", higher_is_better=False),
+            metric(f"pickup_p50_{k}", f"pickup p50, {at}", "ms", higher_is_better=False),
+            metric(f"pickup_p99_{k}", f"pickup p99, {at}", "ms", higher_is_better=False),
+            metric(f"server_cpu_{k}", f"server CPU per run, {at}", "us", higher_is_better=False),
+        ]
+        for mode in MODES:
+            m = out[mode]
+            figures[mode] |= {
+                f"claims_{k}": m["claims_per_run"],
+                f"empty_{k}": m["empty_per_run"],
+                f"pickup_p50_{k}": m["pickup"]["p50_ms"],
+                f"pickup_p99_{k}": m["pickup"]["p99_ms"],
+                f"server_cpu_{k}": m["server_cpu_us_per_run"],
+            }
+        distributions.append(
+            {
+                "key": f"pickup_{k}",
+                "label": f"pickup latency, {at}",
+                "unit": "ms",
+                "samples": {mode: out[mode]["pickup"].get("samples_ms", []) for mode in MODES},
+            }
+        )
+    return summary(metrics, figures, subject="wake-one", distributions=distributions)
+
+
 def print_table(results: dict[int, Any]) -> None:
     header = [
         "workers",
@@ -313,7 +350,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=worker_counts, default=[1, 4, 8])
     p.add_argument("--runs", type=int, default=200, help="single submits per mode and K")
     p.add_argument("--spacing-ms", type=float, default=20.0)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -328,11 +367,14 @@ def main(argv: list[str] | None = None) -> int:
         report["server"] = await server_info(admin_url, SERVER_SETTINGS)
         results: dict[int, Any] = {}
         report["results"] = results
-        for k in args.workers:
-            results[k] = await one_k(admin_url, server.pid, k, args)
+        try:
+            for k in args.workers:
+                results[k] = await one_k(admin_url, server.pid, k, args)
+        finally:  # the worker counts measured, also when a later one failed
+            report["summary"] = summarize(results)
         print_table(results)
 
-    return run_on_throwaway_server(args, body)
+    return run_on_throwaway_server("wake", args, body)
 
 
 if __name__ == "__main__":

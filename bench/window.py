@@ -17,8 +17,8 @@ admitter's next submit (all memoized: the insert alone). The baseline is one ``S
 round trip, measured in the same run. Statements are counted by the client (every
 ``execute`` of the connection and its cursors), so the count is exact.
 
-Run: ``v/bin/python -m bench.window`` (a few seconds). Results: a table on stdout and
-``bench/results/window.json``.
+Run: ``v/bin/python -m bench.window`` (a few seconds). Results: a table on stdout and a
+results file under ``bench/results/`` (:mod:`bench.results`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from bench.common import (
     run_on_throwaway_server,
     server_info,
 )
+from bench.results import metric, summary
 from queues import admission, migrations
 from worker import embedded
 
@@ -147,9 +148,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.window", description=__doc__)
     parser.add_argument("--rounds", type=int, default=200, help="runs of each command")
     parser.add_argument(
-        "--out", type=Path, default=Path("bench/results/window.json"), help="the JSON report"
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
     )
     return parser.parse_args(argv)
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each command's statements and p50 in both states, for :mod:`bench.results` (the
+    states are the columns; no ratios: ``SELECT 1`` is the yardstick, a row of its own)."""
+    names = list(next(iter(results.values()), {}))
+    metrics = []
+    for i, name in enumerate(names):
+        metrics.append(
+            metric(f"statements_{i}", f"{name}: statements", "statements", higher_is_better=False)
+        )
+        metrics.append(metric(f"p50_{i}", f"{name}: p50", "ms", higher_is_better=False))
+    figures = {
+        state: {
+            key: rows[name][field]
+            for i, name in enumerate(names)
+            for key, field in ((f"statements_{i}", "statements"), (f"p50_{i}", "p50_ms"))
+            if name in rows
+        }
+        for state, rows in results.items()
+    }
+    return summary(metrics, figures, subject=None, ratios={})
 
 
 def print_table(results: dict[str, dict[str, Any]]) -> None:
@@ -180,9 +203,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[state] = await one_state(url, args.rounds)
             finally:
                 await drop_database(admin_url, f"wq_window_{state}")
+        report["summary"] = summarize(results)
         print_table(results)
 
-    return run_on_throwaway_server(args, body)
+    return run_on_throwaway_server("window", args, body)
 
 
 if __name__ == "__main__":

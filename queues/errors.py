@@ -66,7 +66,8 @@ import psycopg.errors
 
 
 class ExitCode(IntEnum):
-    """Every exit status of the ``worker`` command, in one table (the README prints it)."""
+    """Every exit status of the ``worker`` command, in one table (printed by
+    docs/reference/errors.md)."""
 
     OK = 0  # done; a waited-for run succeeded
     FAILED = 1  # a waited-for run failed, or the command failed

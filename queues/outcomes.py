@@ -393,9 +393,7 @@ def after_lapse(
             "fix the play, then `worker retry` the run",
         )
     # Promptly: about a second, or the lane's first retry delay when that is shorter.
-    delay = min(
-        policy.delay(1, rng=rng), INTERRUPTION_DELAY_S * (rng or random).uniform(0.5, 1.5)
-    )
+    delay = min(policy.delay(1, rng=rng), INTERRUPTION_DELAY_S * (rng or random).uniform(0.5, 1.5))
     return Lapse(RunState.QUEUED, delay + rank * LAPSE_STAGGER_S)
 
 

@@ -40,7 +40,7 @@ def _version() -> str:
 @click.option(
     "--database-url",
     help="Postgres URL (default: $WORKER_DATABASE_URL, then $DATABASE_URL, else the embedded "
-    "database; per-role variables in the README).",
+    "database; per-role variables in docs/reference/settings.md).",
 )
 @click.option(
     "--home",

