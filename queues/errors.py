@@ -85,6 +85,9 @@ class WorkerError(Exception):
     code: ClassVar[str] = "WORKER_ERROR"
     exit_code: ClassVar[int] = ExitCode.FAILED
     http_status: ClassVar[int] = 500  # what the runtime gateway answers with
+    # Raised inside an attempt, a refusal is final for its run (the run fails at once)
+    # unless a later attempt may not meet it: then it is an ordinary, retried failure.
+    passes: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -328,6 +331,7 @@ class WriteIntentUnavailable(OperationRefused):
     runtime rollout, never fall back to a legacy admission."""
 
     code = "RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE"
+    passes = True  # the rollout reaches the receiver: a later attempt gets through
 
 
 class AuthorityError(WorkerError):

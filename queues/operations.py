@@ -654,12 +654,19 @@ def authorize(
         if not unknown and (needed is None or needed not in claims.capabilities):
             raise CapabilityScope(SCOPE_MESSAGE, field="action", rule=request.action)
         if request.action not in served_now:
-            suggestion = did_you_mean(request.action, served_now)
+            # A known action this receiver does not serve (an older release's, mid-rollout)
+            # is retried after the rollout; only a name nobody defined gets a suggestion,
+            # never a legacy action standing in for a newer one.
+            suggestion = None if request.action in ACTIONS else did_you_mean(
+                request.action, served_now
+            )
             raise OperationRefused(
                 f"Unsupported action: {request.action}",
                 field="action",
                 rule="an action this receiver serves",
-                fix=f"use {suggestion!r}" if suggestion else "upgrade the receiver",
+                fix=f"use {suggestion!r}"
+                if suggestion
+                else "retry once the runtime rollout reaches this receiver",
             )
         action = ACTIONS[request.action]
         where = f"{request.action}.input"

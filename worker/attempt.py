@@ -34,6 +34,7 @@ from queues.errors import FenceError, WorkerError
 from queues.outcomes import Finish
 from worker import instruments
 from worker.context import RunContext, Suspend
+from worker.contract import is_blip
 from worker.plays import Fatal, Play
 
 if TYPE_CHECKING:
@@ -163,9 +164,8 @@ async def _run(
         log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
         return Ended(None)
     except Exception as exc:
-        fatal = isinstance(exc, Fatal | WorkerError) and not outcomes.is_interruption(exc)
         final = outcomes.after_exception(
-            c.run_id, c.attempt, exc, budget(c), now=datetime.now(UTC), fatal=fatal
+            c.run_id, c.attempt, exc, budget(c), now=datetime.now(UTC), fatal=is_fatal(exc)
         )
         level = "warning" if final.state == outcomes.RunState.QUEUED else "error"
         getattr(log, level)(
@@ -177,6 +177,18 @@ async def _run(
             exc_info=final.outcome is not outcomes.Outcome.INTERRUPTED,
         )
         return Ended(final)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether a play's exception fails its run at once: the play's ``Fatal``, or a
+    refusal of the project's that no later attempt could get past; never the database
+    going away (an interruption) or a refusal that passes (``WorkerError.passes``: an
+    older receiver during a rollout). The one rule, for in-process and sandboxed plays."""
+    if outcomes.is_interruption(exc) or is_blip(exc):
+        return False
+    if isinstance(exc, WorkerError):
+        return not exc.passes
+    return isinstance(exc, Fatal)
 
 
 def past_deadline(c: runs.Claimed) -> bool:

@@ -65,7 +65,7 @@ import structlog
 
 from queues import fields, outcomes, runs
 from queues.authority import AttemptTokens
-from queues.errors import FenceError, SandboxUnavailable, WorkerError
+from queues.errors import FenceError, SandboxUnavailable
 from worker import instruments
 from worker.context import RunContext, RunInfo, Suspend
 from worker.contract import Absorbing, GatewayTransport, gateway_socket, is_blip
@@ -821,13 +821,15 @@ async def _ended(
     except FenceError as exc:
         return {"status": "fenced", "code": exc.code, "message": exc.message}
     except Exception as exc:
+        from worker import attempt as attempts  # the one rule of what fails a run at once
+
         return {
             "status": "raised",
             "type": type(exc).__name__,
             "message": str(exc)[:2000],
             "code": getattr(exc, "code", None),
             "traceback": outcomes.bounded_traceback(exc),
-            "fatal": isinstance(exc, Fatal | WorkerError) and not is_blip(exc),
+            "fatal": attempts.is_fatal(exc),
             # An outage its calls could not absorb (worker.contract): not the play's fault.
             "interrupted": is_blip(exc),
         }

@@ -285,6 +285,8 @@ async def test_an_older_receiver_refuses_the_intent_and_the_client_never_falls_b
         raw = await gw.post(start_body(["a"]), tokens.executor)
         assert raw.status_code == 400
         assert error_of(raw)["message"] == "Unsupported action: runtime_sheet_start_with_intent"
+        # Its fix is to retry after the rollout, never the legacy admission in its place.
+        assert error_of(raw)["fix"] == "retry once the runtime rollout reaches this receiver"
         client = GatewayTransport(
             gw.url, executor_token=tokens.executor, ledger_token=tokens.ledger, owner="w1"
         )
