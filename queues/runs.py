@@ -248,8 +248,8 @@ async def claim(
     snapshot could not see it yet); or, when their run's play is not one of ``plays`` or
     the run was not started by its claim deadline, acknowledged with the run failed at
     once (``PLAY_UNKNOWN``, ``START_DEADLINE_PASSED``). Those rare cases are not the
-    claim's own: each statement of a claim costs its executor start-up on every claim
-    (0.23 ms of 1.98 at p50 for this one, in paired blocks). A worker that dies between
+    claim's own: each statement of a claim costs its executor start-up on every claim, a
+    measurable share of the pickup latency. A worker that dies between
     the two leaves such a run waiting for a delivered job; recovery gives it a new one
     (migration 0022), and the old one is dropped as a duplicate if it ever comes back.
     Inside a caller's transaction both statements are part of it, and nothing commits

@@ -47,8 +47,8 @@ from queues.queries import q
 
 # PAGE_PLAN_NOTE: statements that take a page of keys as arrays run unprepared. After five
 # executions psycopg would prepare them server-side, and the generic plan Postgres then
-# picks joins the page to the whole sheet with a nested loop: a page that takes 50 ms
-# with a custom plan took 9.6 s at 21,000 rows. The page arrays of JSON values are sent
+# picks joins the page to the whole sheet with a nested loop, a page's time growing with
+# the sheet's rows instead of its own. The page arrays of JSON values are sent
 # in binary (%(x)b), which saves most of the client's per-page escaping work.
 
 JSON: TypeAlias = fields.JSON

@@ -174,8 +174,8 @@ class LocalTransport:
     With ``hold`` (the pool has a connection for every attempt and the worker's loops),
     the attempt keeps the connection it first took until :meth:`aclose`, instead of taking
     one from the pool per call: the pool hands its connections out in turn, and a call on a
-    connection other than the last one used cost about 180 us more (its server process
-    had gone to sleep), a third of a step. A call made while another call of the attempt
+    connection other than the last one used costs more (its server process has gone to
+    sleep), a large share of a short step. A call made while another call of the attempt
     is running (a play that gathers steps) takes a pooled connection as before; a call
     that fails gives the held connection back to the pool, which checks it.
     """

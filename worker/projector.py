@@ -21,8 +21,8 @@ it listened to every ledger append before, and ran a pass for each) and polls ev
 ``poll_s`` as well (a lost notification, a retry coming due), outlives database outages
 (reconnecting with backoff) and never ends before its stop event. Inside a worker it only
 polls (``listen=False``): with HTTP sinks enabled, every append would notify every worker
-host (``bench.scale`` measured a third less CPU per run at 8 hosts without such
-notifications); a delivery then waits up to ``poll_s``. Behind a transaction-mode pooler
+host, and ``bench.scale`` shows the CPU per run those notifications cost at many hosts;
+a delivery then waits up to ``poll_s``. Behind a transaction-mode pooler
 it polls too.
 """
 
