@@ -181,3 +181,25 @@ async def login_users(url: str, roles: Sequence[str]) -> AsyncIterator[dict[str,
                 )
                 with contextlib.suppress(psycopg.Error):
                     await admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER_COMMAND = str(Path(sys.executable).parent / "worker")
+
+
+def durable_worker(
+    url: str, ready: Path, *, concurrency: int = 2, args: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    """A ``worker start`` process on lane ``t`` serving ``tests.apps.durable``, whose plays
+    count their side effects in the same database; ``ready`` is its ready file."""
+    env = dict(os.environ, WORKER_DATABASE_URL=url, TEST_SIDE_EFFECTS_URL=url, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [
+            *(WORKER_COMMAND, "start", "--release", "t", "--app", "tests.apps.durable:registry"),
+            *("--concurrency", str(concurrency), "--ready-file", str(ready), *args),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -10,33 +10,14 @@ for the lease to expire)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
 
 from queues import lanes, outcomes, recovery
 from tests.apps.durable import SIDE_EFFECTS_DDL
-from tests.workers import eventually, fetch, submit
-
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(Path(sys.executable).parent / "worker")
-
-
-def start_worker(url: str, ready: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, TEST_SIDE_EFFECTS_URL=url, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [
-            *(WORKER, "start", "--release", "t", "--app", "tests.apps.durable:registry"),
-            *("--concurrency", "4", "--ready-file", str(ready), "--grace", "1"),
-        ],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+from tests.workers import durable_worker, eventually, fetch, submit
 
 
 async def test_a_run_that_kills_its_workers_fails_and_the_lane_keeps_flowing(
@@ -49,14 +30,17 @@ async def test_a_run_that_kills_its_workers_fails_and_the_lane_keeps_flowing(
     poison = await submit(db_url, "kills-its-worker", {}, release="t")
     healthy = [await submit(db_url, "sleeper", {"seconds": 0.2}, release="t") for _ in range(6)]
 
+    def start(ready: Path) -> subprocess.Popen[bytes]:
+        return durable_worker(db_url, ready, concurrency=4, args=("--grace", "1"))
+
     workers: list[subprocess.Popen[bytes]] = []
     try:
-        workers.append(start_worker(db_url, tmp_path / "w0.ready"))
+        workers.append(start(tmp_path / "w0.ready"))
 
         async def supervise() -> None:
             # A supervisor's part: a worker that died is replaced; and the recovery cron's.
             if workers[-1].poll() is not None:
-                workers.append(start_worker(db_url, tmp_path / f"w{len(workers)}.ready"))
+                workers.append(start(tmp_path / f"w{len(workers)}.ready"))
             async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
                 await recovery.run_once(conn)
 

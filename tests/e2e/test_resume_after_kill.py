@@ -9,42 +9,14 @@ whatever it had got to by the time the kill landed."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import psycopg
 
 from queues import lanes, recovery
 from tests.apps.durable import SIDE_EFFECTS_DDL
-from tests.workers import eventually, fetch, submit
-
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = str(Path(sys.executable).parent / "worker")
-
-
-def start_worker(url: str, ready: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, WORKER_DATABASE_URL=url, TEST_SIDE_EFFECTS_URL=url, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [
-            WORKER,
-            "start",
-            "--release",
-            "t",
-            "--app",
-            "tests.apps.durable:registry",
-            "--concurrency",
-            "2",
-            "--ready-file",
-            str(ready),
-        ],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+from tests.workers import durable_worker, eventually, fetch, submit
 
 
 async def test_sigkilled_run_resumes_with_its_intent_and_pays_no_step_twice(
@@ -60,7 +32,7 @@ async def test_sigkilled_run_resumes_with_its_intent_and_pays_no_step_twice(
         db_url, "paid-rows", {"chunk": chunk, "hold_at": hold_at}, release="t", inputs=rows
     )
 
-    first = start_worker(db_url, tmp_path / "a.ready")
+    first = durable_worker(db_url, tmp_path / "a.ready")
     try:
 
         async def held() -> bool:
@@ -92,7 +64,7 @@ async def test_sigkilled_run_resumes_with_its_intent_and_pays_no_step_twice(
 
     assert await eventually(rescued, timeout=20) == 1  # the lease lapsed, the run requeued
 
-    second = start_worker(db_url, tmp_path / "b.ready")
+    second = durable_worker(db_url, tmp_path / "b.ready")
     try:
 
         async def finished() -> str | None:

@@ -23,23 +23,16 @@ import pytest
 from structlog.testing import capture_logs
 
 from queues import lanes
+from tests.integration.test_runtime_fence import HOOKS_DDL
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker.context import RunContext
 from worker.plays import Registry
-
-DDL = """
-CREATE TABLE IF NOT EXISTS test_paid (
-    run_id  uuid NOT NULL,
-    key     text NOT NULL,
-    attempt integer NOT NULL
-)
-"""
 
 
 @pytest.fixture
 async def url(db_url: str) -> str:
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-        await conn.execute(DDL)
+        await conn.execute(HOOKS_DDL)  # test_paid among them
         await lanes.prepare(conn, "t")
     return db_url
 
