@@ -21,6 +21,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,9 @@ from tests import leftovers
 from worker import embedded
 
 SWEEP_ROOT = Path(tempfile.gettempdir()) / "worker-tests"
-TEMPLATE = "wq_template"
+# One template per session: under pytest -n, sessions may share a server
+# (WORKER_TEST_DATABASE_URL), and each builds its own.
+TEMPLATE = f"wq_template_{os.getpid()}"
 _counter = itertools.count()
 
 
@@ -46,6 +49,11 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# A server home whose owner file is missing is another session's being made (pytest -n
+# runs several sessions at once) unless it is older than this.
+UNOWNED_GRACE_S = 300.0
 
 
 def _sweep_leaked() -> None:
@@ -60,9 +68,18 @@ def _sweep_leaked() -> None:
             pid = 0
         if pid and _pid_alive(pid):
             continue
+        if not pid and _age_s(home) < UNOWNED_GRACE_S:
+            continue
         with contextlib.suppress(Exception):  # best effort on a leftover directory
             embedded.stop(home, mode="immediate")
         shutil.rmtree(home, ignore_errors=True)
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def with_dbname(url: str, dbname: str) -> str:
@@ -102,9 +119,11 @@ async def _migrate_template(admin_url: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def template_url(pg_admin_url: str) -> str:
+def template_url(pg_admin_url: str) -> Iterator[str]:
     asyncio.run(_migrate_template(pg_admin_url))
-    return with_dbname(pg_admin_url, TEMPLATE)
+    yield with_dbname(pg_admin_url, TEMPLATE)
+    with contextlib.suppress(psycopg.Error):  # a server the session shares keeps no copy
+        asyncio.run(drop_database(pg_admin_url, TEMPLATE))
 
 
 async def clone_database(admin_url: str, name: str) -> str:
