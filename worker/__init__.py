@@ -10,6 +10,9 @@ Everything an application needs is importable from here::
   :func:`submit_many`: admit runs (one atomic statement, one run or a batch; inside your
   own transaction too);
 - :class:`InputPages` and :class:`Release`: a run's input rows and a checked release name;
+- :class:`Sheet` and its values (:class:`RowCompletion`, :class:`AdmitResult`,
+  :class:`Disposition`, :class:`CompletionResult`, :class:`StaleReason`): a play's rows;
+- :class:`Fatal`: raised by a play, it fails the run at once;
 - the errors (:class:`WorkerError` and the classes below it) and :class:`ExitCode`.
 
 Other modules are the implementation: they may change between releases.
@@ -35,6 +38,15 @@ _EXPORTS = {
     "Retry": "queues.fields",
     "ChildFailed": "worker.context",
     "WaitTimedOut": "worker.context",
+    "Sheet": "worker.context",
+    "Fatal": "worker.plays",
+    "RowCompletion": "queues.sheets",
+    "Disposition": "queues.sheets",
+    "StaleReason": "queues.sheets",
+    "AdmitResult": "queues.sheets",
+    "CompletionResult": "queues.sheets",
+    "SheetSuperseded": "queues.errors",
+    "WriteIntentUnavailable": "queues.errors",
     "ExitCode": "queues.errors",
     "WorkerError": "queues.errors",
     "InputError": "queues.errors",
@@ -52,11 +64,15 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AdmitResult",
     "Admitted",
     "Admitter",
     "ChildFailed",
+    "CompletionResult",
     "DatabaseUnreachable",
+    "Disposition",
     "ExitCode",
+    "Fatal",
     "IdempotencyConflict",
     "InputError",
     "InputPages",
@@ -68,14 +84,19 @@ __all__ = [
     "Registry",
     "Release",
     "Retry",
+    "RowCompletion",
     "RunContext",
     "RunNotFound",
     "SchemaContractMismatch",
+    "Sheet",
+    "SheetSuperseded",
     "StaleAttempt",
+    "StaleReason",
     "Submission",
     "UnknownPlay",
     "WaitTimedOut",
     "WorkerError",
+    "WriteIntentUnavailable",
     "submit",
     "submit_many",
 ]
@@ -94,14 +115,23 @@ if TYPE_CHECKING:
         PayloadTooLarge,
         RunNotFound,
         SchemaContractMismatch,
+        SheetSuperseded,
         StaleAttempt,
         UnknownPlay,
         WorkerError,
+        WriteIntentUnavailable,
     )
     from queues.fields import Release, Retry
     from queues.inputs import InputPages
-    from worker.context import ChildFailed, RunContext, WaitTimedOut
-    from worker.plays import Registry
+    from queues.sheets import (
+        AdmitResult,
+        CompletionResult,
+        Disposition,
+        RowCompletion,
+        StaleReason,
+    )
+    from worker.context import ChildFailed, RunContext, Sheet, WaitTimedOut
+    from worker.plays import Fatal, Registry
 
 
 def __getattr__(name: str) -> Any:
