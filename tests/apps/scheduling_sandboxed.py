@@ -4,6 +4,7 @@ tests.apps.scheduling_sandboxed:registry``)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from worker.context import RunContext
@@ -35,3 +36,16 @@ async def sandboxed_keys(ctx: RunContext, params: dict[str, Any]) -> dict[str, A
         return ctx.step_idempotency_key
 
     return {"named": ctx.idempotency_key("charge"), "in_step": await ctx.step("charge", in_body)}
+
+
+@registry.play("sandboxed-many-steps", sandboxed=True)
+async def sandboxed_many_steps(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    """Steps one after another, paced, so a cut of the database's connections lands
+    between two of them (tests/integration/test_blips.py)."""
+
+    async def one(i: int) -> int:
+        await asyncio.sleep(0.02)
+        return i
+
+    done = [await ctx.step(f"s{i}", one, i) for i in range(int(params["steps"]))]
+    return {"steps": len(done), "attempt": ctx.attempt}

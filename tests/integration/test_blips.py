@@ -25,8 +25,9 @@ from structlog.testing import capture_logs
 from queues import lanes
 from tests.integration.test_runtime_fence import HOOKS_DDL
 from tests.workers import eventually, fetch, run_state, running_worker, submit
+from worker import instruments
 from worker.context import RunContext
-from worker.plays import Registry
+from worker.plays import Registry, load_registry
 
 
 @pytest.fixture
@@ -133,3 +134,43 @@ async def test_a_cut_connection_under_a_step_costs_the_attempt_nothing(url: str)
     absorbed = [e for e in logs if e["event"] == "call_absorbed"]
     assert absorbed, [e["event"] for e in logs]
     assert absorbed[0]["action"] == "runtime_receipt_record"
+
+
+async def test_a_sandboxed_play_rides_a_cut_through_the_gateway(url: str) -> None:
+    """The same through the gateway: its call meets a dead pooled connection, answers
+    DATABASE_UNREACHABLE (checking its pool), and the sandbox sends the call again."""
+    registry = load_registry("tests.apps.scheduling_sandboxed:registry")
+    before = absorbed_total()
+    steps = 60
+    async with running_worker(url, registry, token_secret=b"s" * 48):
+        run_id = await submit(url, "sandboxed-many-steps", {"steps": steps})
+
+        async def under_way() -> bool:
+            rows = await fetch(
+                url,
+                "SELECT count(*) FROM wq_receipts WHERE owner_run = %s AND status = 'completed'",
+                (run_id,),
+            )
+            return int(rows[0][0]) >= 10
+
+        await eventually(under_way, timeout=60, interval=0.05)
+        assert await cut_every_connection(url) >= 1
+
+        async def ended() -> bool:
+            return await run_state(url, run_id) in ("succeeded", "failed", "queued")
+
+        await eventually(ended, timeout=60)
+        assert await run_state(url, run_id) == "succeeded"
+    assert await outcomes_of(url, run_id) == ["succeeded"]
+    receipts = await fetch(url, "SELECT count(*) FROM wq_receipts WHERE owner_run = %s", (run_id,))
+    assert int(receipts[0][0]) == steps
+    assert absorbed_total() > before  # the sandbox reported the calls it sent again
+
+
+def absorbed_total() -> float:
+    return sum(
+        sample.value
+        for metric in instruments.ABSORBED_CALLS.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
