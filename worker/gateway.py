@@ -157,6 +157,41 @@ def socket_path(url: str) -> str | None:
     return path
 
 
+PRIVATE_PREFIX = "wq-gateway-"
+
+
+def sweep_private_dirs(root: str | None = None) -> list[str]:
+    """Remove the private gateway directories of processes that are gone (a worker that
+    was killed never removed its own); returns those removed. Only this user's, named
+    ``wq-gateway-<pid>-...``; a directory of a live process is left alone."""
+    base = root or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if not entry.name.startswith(PRIVATE_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid, _, rest = entry.name[len(PRIVATE_PREFIX) :].partition("-")
+            if not (pid.isdigit() and rest):  # another release's name: not ours to judge
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if _alive(int(pid)):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Served:
     """A gateway served on an asyncio loop (``await start()``; ``await stop()``), on a TCP
     port, or on a Unix socket (``uds``; :meth:`private` makes one in a directory of its
@@ -183,8 +218,10 @@ class Served:
     @classmethod
     def private(cls, app: Starlette) -> Served:
         """Served on a socket in a fresh directory of mode 0700 (the socket itself is 0666:
-        the directory decides who may reach it; a sandbox gets it bound in)."""
-        directory = tempfile.mkdtemp(prefix="wq-gateway-")
+        the directory decides who may reach it; a sandbox gets it bound in). The directory
+        names its process, so the ones a killed worker left are removed here."""
+        sweep_private_dirs()
+        directory = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-")
         served = cls(app, uds=os.path.join(directory, "gateway.sock"))
         served.private_dir = directory
         return served
