@@ -84,6 +84,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -96,6 +97,7 @@ from bench.results import finish as results_finish
 from bench.results import metric, summary
 from bench.results import start as results_start
 from queues import admission
+from tests import providers
 from worker import embedded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -314,6 +316,11 @@ class ChaosReport:
     extra_side_effects: int  # side effects of a (run, step) that already had one
     # ... by what ended the attempt that executed the step before (see _duplicates_by_cause)
     duplicate_executions_by_cause: dict[str, int]
+    # The paid provider (tests/providers.py, keyed by ctx.idempotency_key): every call, the
+    # charges it made (one per key), and the distinct (run, step) pairs that called it.
+    provider_calls: int
+    provider_charges: int
+    paid_steps: int
     reexecuted_completed_steps: int
     stale_rows: int
     stale_admissions: int
@@ -333,10 +340,12 @@ class ChaosReport:
         return not self.problems
 
 
-def _env(url: str) -> dict[str, str]:
+def _env(url: str, provider: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["WORKER_DATABASE_URL"] = url
     env["TEST_SIDE_EFFECTS_URL"] = url  # the test play's own database
+    if provider is not None:
+        env["TEST_PROVIDER"] = provider  # the paid provider the plays charge each row at
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("DATABASE_URL", None)
     return env
@@ -402,6 +411,7 @@ class _Processes:
         self.url = url
         self.logs = logs
         self.echo = echo
+        self.provider: str | None = None  # the paid provider's address, for the plays
         self.rng = random.Random(cfg.seed)
         self.started: list[subprocess.Popen[bytes]] = []
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -425,7 +435,7 @@ class _Processes:
         with (self.logs / log_name).open("ab") as log:  # the child keeps its own descriptor
             proc = subprocess.Popen(
                 [WORKER_BIN, "--json-logs", *args],
-                env=_env(self.url),
+                env=_env(self.url, self.provider),
                 stdout=log,
                 stderr=log,
                 cwd=ROOT,
@@ -626,6 +636,9 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
     logs.mkdir()
     procs: _Processes | None = None
     started = time.monotonic()
+    provider = providers.Provider()  # the plays pay each row here, keyed
+    serving = threading.Thread(target=provider.serve_forever, daemon=True)
+    serving.start()
     try:
         server = embedded.ensure_running(home)
         with psycopg.connect(server.url("postgres"), autocommit=True) as admin:
@@ -643,6 +656,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
 
         done = 0.0  # the fraction of rows done, as last read
         procs = _Processes(cfg, url, logs, lambda what: say(done, what))
+        procs.provider = provider.url
         for i in range(cfg.workers):
             procs.start_worker(i)
         procs.spawn(["recover", "--every", "1s"], "recovery.log")
@@ -718,8 +732,12 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
             terminations,
             done_at - last_fault,
             done_at - started,
+            provider,
         )
     finally:
+        provider.shutdown()
+        provider.server_close()
+        serving.join()
         if procs is not None:
             procs.stop_all()
         embedded.stop(home, mode="immediate")
@@ -738,6 +756,7 @@ def _report(
     terminations: int,
     last_fault_to_done_s: float,
     total_s: float,
+    provider: providers.Provider,
 ) -> ChaosReport:
     states = dict(_query(url, "SELECT state::text, count(*) FROM wq_runs GROUP BY 1"))
     outcomes = dict(_query(url, "SELECT outcome::text, count(*) FROM wq_attempts GROUP BY 1"))
@@ -866,6 +885,25 @@ def _report(
         )
     if zombies and not zombie_refusals:
         problems.append(f"no late write of {len(zombies)} zombies was refused (none arrived)")
+    # The provider charges by key: a key that differed between two attempts of a step would
+    # charge it twice. Charges must equal the steps called (each run's, once), and every
+    # step a play recorded as paid must have been charged.
+    paid = {
+        (str(r), str(k))
+        for r, k in _query(url, "SELECT DISTINCT run_id, key FROM test_side_effects")
+    }
+    with provider.lock:
+        charges, calls = len(provider.charges), len(provider.calls)
+        keyed = {step: len(keys) for step, keys in provider.keys.items()}
+    paid_steps = len(keyed)
+    twice = sum(1 for n in keyed.values() if n > 1)
+    if twice or charges != paid_steps:
+        problems.append(
+            f"the provider charged {charges} times for {paid_steps} steps ({twice} steps "
+            "came with more than one key)"
+        )
+    if paid - keyed.keys():
+        problems.append(f"{len(paid - keyed.keys())} paid steps never reached the provider")
     return ChaosReport(
         runs=len(run_ids),
         rows_per_run=cfg.rows,
@@ -890,6 +928,9 @@ def _report(
         side_effects=int(effects),
         extra_side_effects=int(extra),
         duplicate_executions_by_cause=by_cause,
+        provider_calls=calls,
+        provider_charges=charges,
+        paid_steps=int(paid_steps),
         reexecuted_completed_steps=int(reexecuted),
         stale_rows=int(stale),
         stale_admissions=int(stale_admissions),
@@ -943,15 +984,15 @@ def _duplicates_by_cause(
 
 def _raised_by_the_play(traceback: str | None) -> bool:
     """Whether an attempt's error was raised by a call of the play's own (the innermost
-    frame of this tree's code is the app's, ``tests/apps``), not by a call to the worker
-    (``worker``, ``queues``)."""
+    frame of this tree's code is the app's or its provider's, under ``tests``), not by a
+    call to the worker (``worker``, ``queues``)."""
     own = [
         parts
         for file in re.findall(r'File "([^"]+)"', traceback or "")
         if (path := Path(file)).is_relative_to(ROOT)
         and (parts := path.relative_to(ROOT).parts)[0] in ("worker", "queues", "tests")
     ]
-    return bool(own) and own[-1][:2] == ("tests", "apps")
+    return bool(own) and own[-1][0] == "tests"
 
 
 def summarize(report: ChaosReport) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import psycopg
 
 from queues import sheets
 from queues.errors import FenceError
+from tests import providers
 from worker.context import RunContext, Sheet
 from worker.plays import Registry
 
@@ -182,6 +183,12 @@ async def _paid_chunk(
     fresh = [k for k in keys if k not in paid]
     if fresh:
         stops.before_paying()
+        provider = os.environ.get("TEST_PROVIDER")
+        if provider:  # the paid call, keyed: a provider charges a row once (bench.chaos)
+            run = str(ctx.run_id)
+            for k in fresh:
+                key = ctx.idempotency_key(k)
+                await asyncio.to_thread(providers.charge, provider, key, run, 1, k)
         async with await psycopg.AsyncConnection.connect(own_database(), autocommit=True) as conn:
             await conn.execute(
                 "INSERT INTO test_side_effects (run_id, key, attempt) "

@@ -57,6 +57,10 @@ def test_nothing_is_lost_and_no_late_write_lands_under_kills_zombies_and_restart
     # absorbed inside the attempts, made no step run again.
     assert report.attempt_outcomes.get("lease_expired", 0) >= report.zombie_attempts
     assert report.duplicate_executions_by_cause.get("database", 0) == 0
+    # A provider that honours the idempotency key charged each paid step once, however
+    # many times the chaos made the plays call it.
+    assert report.provider_charges == report.paid_steps > 0
+    assert report.provider_calls >= report.provider_charges
     assert report.states == {"succeeded": cfg.runs}
     # Nothing lost, nothing twice, nothing stale: at the default retry policy.
     assert report.rows_done == cfg.total_rows

@@ -10,79 +10,22 @@ window a crash leaves, where the step runs again."""
 
 from __future__ import annotations
 
-import http.client
-import json
-import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import psycopg
 import pytest
 
 from queues import lanes, receipts
+from tests.providers import Provider, charge, serving
 from tests.workers import eventually, fetch, running_worker, submit
 from worker.context import RunContext, RunInfo
 from worker.plays import Registry, load_registry
 
 RELEASE = "idem"
 registry = Registry()
-
-
-class Provider(ThreadingHTTPServer):
-    """Charges by idempotency key: ``charges`` per key, every call in ``calls``."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.lock = threading.Lock()
-        self.charges: dict[str, dict[str, Any]] = {}
-        self.calls: list[tuple[str, str]] = []  # (run, key)
-
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"{host!s}:{port}"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Provider
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        key = self.headers["Idempotency-Key"]
-        with self.server.lock:
-            self.server.calls.append((body["run"], key))
-            charge = self.server.charges.setdefault(
-                key, {"id": f"ch_{len(self.server.charges) + 1}", "amount": body["amount"]}
-            )
-        answer = json.dumps(charge).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args: Any) -> None:  # quiet
-        pass
-
-
-def charge(provider: str, key: str, run: str, amount: int) -> dict[str, Any]:
-    """A provider call as a play makes it: a POST with the key as its header."""
-    host, port = provider.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
-    try:
-        body = json.dumps({"run": run, "amount": amount})
-        conn.request(
-            "POST",
-            "/charges",
-            body=body,
-            headers={"Idempotency-Key": key, "Content-Type": "application/json"},
-        )
-        answer: dict[str, Any] = json.loads(conn.getresponse().read())
-        return answer
-    finally:
-        conn.close()
 
 
 @registry.play("pay")
@@ -104,15 +47,8 @@ async def pay(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def provider() -> Iterator[Provider]:
-    server = Provider()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving() as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 async def _result(url: str, run_id: uuid.UUID) -> dict[str, Any] | None:
