@@ -424,12 +424,16 @@ class _Processes:
         # The last time (the database's clock) the workers' connections were cut: by the
         # restart, or by terminated backends.
         self.cut_at = datetime.min.replace(tzinfo=UTC)
+        # The restart's window: from its shutdown to the server answering again.
+        self.restarted: tuple[datetime, datetime] | None = None
 
     def restart_postgres(self, home: Path) -> None:
         """Crash-restart Postgres (immediate shutdown): every connection is cut."""
+        began = datetime.now(UTC)
         embedded.stop(home, mode="immediate")
         embedded.ensure_running(home)
         ((self.cut_at,),) = _query(self.url, "SELECT now()")
+        self.restarted = (began, self.cut_at)
 
     def spawn(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
         with (self.logs / log_name).open("ab") as log:  # the child keeps its own descriptor
@@ -727,6 +731,7 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
             run_ids,
             procs.zombies,
             procs.killed,
+            procs.restarted,
             kills,
             restarts,
             terminations,
@@ -751,6 +756,7 @@ def _report(
     run_ids: list[str],
     zombies: list[Zombie],
     killed: dict[str, datetime],
+    restarted: tuple[datetime, datetime] | None,
     kills: int,
     restarts: int,
     terminations: int,
@@ -842,7 +848,7 @@ def _report(
         "  ON r.scope = 'run:' || s.run_id AND r.step_key = s.key "
         " WHERE r.status = 'completed' AND r.completed_at < s.at",
     )
-    by_cause = _duplicates_by_cause(url, zombies, killed)
+    by_cause = _duplicates_by_cause(url, zombies, killed, restarted)
     ((attempts,),) = _query(url, "SELECT count(*) FROM wq_attempts")
     ((most_attempts, mean_attempts),) = _query(
         url,
@@ -948,32 +954,49 @@ def _report(
 
 
 def _duplicates_by_cause(
-    url: str, zombies: list[Zombie], killed: dict[str, datetime]
+    url: str,
+    zombies: list[Zombie],
+    killed: dict[str, datetime],
+    restarted: tuple[datetime, datetime] | None = None,
 ) -> dict[str, int]:
     """The step executions that repeated an earlier one (a side effect of a run and step
     that already had one), by what made the step run again, as decided by the attempt of
-    the execution before: ``zombie`` when it was an attempt a zombie held when stopped,
-    ``worker_killed`` when its worker was SIGKILLed while it was open; else its worker
-    never died, and a database fault alone ended it: ``paid_call`` when the play's own
+    the execution before: ``zombie`` when it was an attempt a zombie held when stopped (or
+    one the zombie's worker claimed meanwhile and lost with its lease), ``worker_killed``
+    when its worker was SIGKILLed while it was open; ``restart`` when its lease lapsed
+    across the Postgres restart (the outage outlasted the lease, 3 s here: then the
+    attempt ends, as designed); else its worker never died, and a database fault alone
+    ended it: ``paid_call`` when the play's own
     paid call met it (the play's connection, to the faulted database: the payment
     committed, its answer lost; the worker's absorption does not reach a play's own
     calls), ``database`` otherwise. Only causes with executions are keys."""
     held = {(run_id, attempt) for z in zombies for run_id, attempt in z.held}
+    zombie_workers = {z.worker_id for z in zombies}
     rows = _query(
         url,
-        "SELECT e.run_id::text, e.before, a.worker_id, a.finished_at,"
-        "       a.error ->> 'traceback', count(*) FROM"
+        "SELECT e.run_id::text, e.before, a.worker_id, a.started_at, a.finished_at,"
+        "       a.outcome::text, a.error ->> 'traceback', count(*) FROM"
         " (SELECT run_id, lag(attempt) OVER (PARTITION BY run_id, key ORDER BY at, attempt)"
         "         AS before FROM test_side_effects) e"
         "  LEFT JOIN wq_attempts a ON a.run_id = e.run_id AND a.attempt = e.before"
-        " WHERE e.before IS NOT NULL GROUP BY 1, 2, 3, 4, 5",
+        " WHERE e.before IS NOT NULL GROUP BY 1, 2, 3, 4, 5, 6, 7",
     )
     causes: dict[str, int] = {}
-    for run_id, attempt, worker_id, finished_at, traceback, n in rows:
-        if (run_id, attempt) in held:
+    for run_id, attempt, worker_id, started_at, finished_at, outcome, traceback, n in rows:
+        lapsed = outcome == "lease_expired"
+        if (run_id, attempt) in held or (lapsed and worker_id in zombie_workers):
             cause = "zombie"
         elif worker_id in killed and (finished_at is None or finished_at >= killed[worker_id]):
             cause = "worker_killed"
+        elif (
+            lapsed
+            and restarted is not None
+            and started_at is not None
+            and finished_at is not None
+            and started_at <= restarted[1]
+            and finished_at >= restarted[0]
+        ):
+            cause = "restart"
         elif _raised_by_the_play(traceback):
             cause = "paid_call"
         else:
