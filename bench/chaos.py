@@ -51,10 +51,12 @@ checks and prints:
 - no step whose receipt was completed ran again (side effects per run and row);
 - the step executions that repeated an earlier one (a row paid again), split by what
   ended the attempt of the execution before: a zombie's (``zombie``), its worker
-  SIGKILLed while it was open (``worker_killed``), or neither: a database fault alone,
-  met by the play's own paid call (``paid_call``: a payment committed whose answer the
-  fault took; the play's connection is its own, not the worker's to absorb), or by
-  the worker's calls (``database``: a problem);
+  SIGKILLed while it was open (``worker_killed``), its lease lapsed across the restart
+  (``restart``) or otherwise with its worker alive (``lease_lapsed``: an outage longer
+  than the 3 s lease ends an attempt, as designed), or the attempt ended on a database
+  fault: met by the play's own paid call (``paid_call``: a payment committed whose answer
+  the fault took; the play's connection is its own, not the worker's to absorb), or by
+  the worker's calls (``database``: a problem, absorption should have ridden it);
 - the time from the last fault to the last run finishing.
 
 The stale-write checks compare what was written with who was allowed to write, so a
@@ -965,8 +967,10 @@ def _duplicates_by_cause(
     one the zombie's worker claimed meanwhile and lost with its lease), ``worker_killed``
     when its worker was SIGKILLed while it was open; ``restart`` when its lease lapsed
     across the Postgres restart (the outage outlasted the lease, 3 s here: then the
-    attempt ends, as designed); else its worker never died, and a database fault alone
-    ended it: ``paid_call`` when the play's own
+    attempt ends, as designed), ``lease_lapsed`` when it lapsed otherwise (a live worker
+    whose heartbeat could not renew it in time through cut connections); else the attempt
+    itself ended on a database fault, which absorption should have ridden:
+    ``paid_call`` when the play's own
     paid call met it (the play's connection, to the faulted database: the payment
     committed, its answer lost; the worker's absorption does not reach a play's own
     calls), ``database`` otherwise. Only causes with executions are keys."""
@@ -997,6 +1001,11 @@ def _duplicates_by_cause(
             and finished_at >= restarted[0]
         ):
             cause = "restart"
+        elif lapsed:
+            # A live worker that lost a lease: its heartbeat could not renew within the
+            # lease (3 s here) through the cut connections. Bounded by the lease, as the
+            # absorption is; what it forbids is a repeat after an attempt it ended.
+            cause = "lease_lapsed"
         elif _raised_by_the_play(traceback):
             cause = "paid_call"
         else:
