@@ -189,6 +189,26 @@ async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         await connection.close()
 
 
+# ---- order: the long tests first -------------------------------------------------------------
+
+# The processes of ``pytest -n`` take tests in collection order, so a scenario that waits out
+# leases or starts servers, if collected last, runs alone at the end while the other
+# process idles. Running subprocess and multi-connection tests first and the millisecond
+# ones last lets those fill the gaps. Within a directory the order stays pytest's.
+FIRST_TO_LAST = ("e2e", "integration", "docs", "db", "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        parts = Path(str(item.path)).parts
+        for i, directory in enumerate(FIRST_TO_LAST):
+            if directory in parts:
+                return i
+        return len(FIRST_TO_LAST)
+
+    items.sort(key=rank)  # stable: each directory keeps its own order
+
+
 # ---- CI: a skip is a failure -----------------------------------------------------------------
 
 # In CI (the CI variable set, as `.ci/run` runs), a test that skips itself, because its

@@ -42,6 +42,8 @@ from tests.conftest import clone_database, drop_database
 from worker import Registry
 from worker.cli import cli
 
+cli.loaded()  # the commands load lazily; these tests walk all of them
+
 ROOT = Path(__file__).resolve().parents[2]
 LOOP = "__docs_loop__"
 _databases = itertools.count()

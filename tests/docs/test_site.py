@@ -25,6 +25,8 @@ from queues import errors, operations
 from worker import config, instruments
 from worker.cli import cli
 
+cli.loaded()  # the commands load lazily; these tests walk all of them
+
 ROOT = Path(__file__).resolve().parents[2]
 # The fences' languages: python runs, sh/yaml/json are checked (tests/docs/conftest.py),
 # the others are shown as they are.

@@ -27,6 +27,8 @@ from queues import migrations
 from worker import config, embedded
 from worker.cli import cli
 
+cli.loaded()  # the commands load lazily; these tests walk all of them
+
 WORKER = Path(sys.executable).parent / "worker"
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
 URL_VARIABLES = ("DATABASE_URL", "WORKER_DATABASE_URL", "WORKER_HOME")

@@ -17,6 +17,8 @@ import click
 
 from worker.cli import cli
 
+cli.loaded()  # the commands load lazily; these tests walk all of them
+
 WORKER = str(Path(sys.executable).parent / "worker")
 # Commands that print no data: services (they log) and the demo (a story for a person).
 NO_DATA = {("start",), ("gateway",), ("demo",), ("dashboard",)}

@@ -9,10 +9,12 @@ Fix: ...`` with the exit status of :class:`queues.errors.ExitCode`, never a trac
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import sys
 import traceback
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import click
@@ -20,12 +22,65 @@ import psycopg
 
 from queues.errors import ExitCode, WorkerError, connection_lost, translate
 from worker import logs
-from worker.cli import admin, lanes, ledger, ops, processes, runs, scheduling, tokens
 from worker.cli.common import State, report
 from worker.output import printable
 
 # Services: they log at INFO unless told otherwise; every other command logs warnings only.
 SERVICES = frozenset({"start", "recover", "gateway", "dashboard"})
+
+
+# Each command and the module that defines it, imported only when that command runs (or
+# when help lists them all): ``worker submit`` from a serverless function loads admission,
+# never the runtime, the dashboard or the embedded server's tooling.
+COMMANDS: dict[str, str] = {
+    "migrate": "admin:migrate",
+    "db": "admin:db_group",
+    "metrics": "admin:metrics",
+    "demo": "admin:demo",
+    "start": "processes:start",
+    "recover": "processes:recover_command",
+    "gateway": "processes:gateway_command",
+    "submit": "runs:submit",
+    "result": "runs:result",
+    "observe": "runs:observe_cmd",
+    "cancel": "runs:cancel",
+    "emit": "runs:emit",
+    "runs": "runs:runs_group",
+    "events": "ledger:events_command",
+    "sinks": "ledger:sinks_group",
+    "queues": "lanes:queues_group",
+    "token": "tokens:token_group",
+    "limits": "scheduling:limits_group",
+    "schedules": "scheduling:schedules_group",
+    "dashboard": "ops:dashboard_command",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are looked up in :data:`COMMANDS` when first asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | COMMANDS.keys())
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        self._load(cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def loaded(self) -> MutableMapping[str, click.Command]:
+        """Every command, imported: ``commands`` is complete from then on (the reference
+        docs and the tests that walk the tree read it)."""
+        for name in COMMANDS:
+            self._load(name)
+        return self.commands
+
+    def _load(self, name: str) -> None:
+        if name in self.commands or name not in COMMANDS:
+            return
+        module, _, attr = COMMANDS[name].partition(":")
+        command = getattr(importlib.import_module(f"worker.cli.{module}"), attr)
+        if command.name != name:
+            raise RuntimeError(f"COMMANDS names {name!r} for the command {command.name!r}")
+        self.add_command(command)
 
 
 def _version() -> str:
@@ -35,7 +90,7 @@ def _version() -> str:
         return "unknown"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(_version(), "--version", prog_name="worker", message="%(prog)s %(version)s")
 @click.option(
     "--database-url",
@@ -75,33 +130,6 @@ def cli(
             log_level = "WARNING"
     logs.configure(level=log_level, json=json_logs)
     ctx.obj = State(database_url, home)
-
-
-for command in (
-    admin.migrate,
-    admin.db_group,
-    admin.metrics,
-    admin.demo,
-    processes.start,
-    processes.recover_command,
-    processes.gateway_command,
-    runs.submit,
-    runs.result,
-    runs.observe_cmd,
-    runs.cancel,
-    runs.emit,
-    runs.runs_group,
-    ledger.events_command,
-    ledger.sinks_group,
-    lanes.queues_group,
-    tokens.token_group,
-    scheduling.limits_group,
-    scheduling.schedules_group,
-):
-    cli.add_command(command)
-cli.add_command(ops.dashboard_command)
-runs.runs_group.add_command(ops.retry_command)
-lanes.queues_group.add_command(ops.set_policy_command)
 
 
 def main(argv: list[str] | None = None) -> None:

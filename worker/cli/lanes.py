@@ -8,6 +8,7 @@ import structlog
 from queues import lanes, migrations, operator, recovery
 from worker import config
 from worker.cli.common import Conn, State, actor, connected, emit_json, json_option, pass_state
+from worker.cli.ops import set_policy_command
 from worker.output import iso, printable
 
 log = structlog.get_logger("worker.cli")
@@ -174,3 +175,6 @@ def queues_adopt(state: State, from_release: str, to_release: str, as_json: bool
         return 0
 
     connected(state, go)
+
+
+queues_group.add_command(set_policy_command)

@@ -32,6 +32,7 @@ from worker.cli.common import (
     release_option,
     run,
 )
+from worker.cli.ops import retry_command
 from worker.output import printable
 
 # ---- submit -----------------------------------------------------------------------------------
@@ -756,3 +757,6 @@ def without_traceback(error: Any) -> Any:
     if isinstance(error, dict) and "traceback" in error:
         return {k: v for k, v in error.items() if k != "traceback"}
     return error
+
+
+runs_group.add_command(retry_command)
