@@ -189,24 +189,45 @@ async def conn(shared_url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         await connection.close()
 
 
-# ---- order: the long tests first -------------------------------------------------------------
+# ---- order: the long tests first, one share per process ---------------------------------------
 
-# The processes of ``pytest -n`` take tests in collection order, so a scenario that waits out
-# leases or starts servers, if collected last, runs alone at the end while the other
-# process idles. Running subprocess and multi-connection tests first and the millisecond
-# ones last lets those fill the gaps. Within a directory the order stays pytest's.
+# `pytest -n N --dist worksteal` gives each process one contiguous slice of the collection
+# (xdist's WorkStealingScheduling: the first len // N tests, then the next, ...), and an
+# idle process takes the second half of the longest queue. A long scenario (marked slow)
+# left at the end of a queue runs alone while the others idle, so each slice starts with
+# its share of the slow tests; then subprocess and multi-connection tests, and the
+# millisecond ones last, which an idle process steals. Within a directory the order stays
+# pytest's.
 FIRST_TO_LAST = ("e2e", "integration", "docs", "db", "unit")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        parts = Path(str(item.path)).parts
-        for i, directory in enumerate(FIRST_TO_LAST):
-            if directory in parts:
-                return i
-        return len(FIRST_TO_LAST)
+def _rank(item: pytest.Item) -> int:
+    parts = Path(str(item.path)).parts
+    for i, directory in enumerate(FIRST_TO_LAST):
+        if directory in parts:
+            return i
+    return len(FIRST_TO_LAST)
 
-    items.sort(key=rank)  # stable: each directory keeps its own order
+
+def _slice_sizes(total: int, processes: int) -> list[int]:
+    """The sizes of the slices xdist's work stealing hands out first, in process order."""
+    sizes, left = [], total
+    for i in range(processes):
+        sizes.append(left // (processes - i))
+        left -= sizes[-1]
+    return sizes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    ordered = sorted(items, key=_rank)  # stable
+    processes = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))
+    slow = [item for item in ordered if item.get_closest_marker("slow")]
+    rest = iter([item for item in ordered if not item.get_closest_marker("slow")])
+    shares: list[list[pytest.Item]] = [slow[i::processes] for i in range(processes)]
+    for share, size in zip(shares, _slice_sizes(len(items), processes), strict=True):
+        share.extend(itertools.islice(rest, max(0, size - len(share))))
+    shares[-1].extend(rest)
+    items[:] = [item for share in shares for item in share]
 
 
 # ---- CI: a skip is a failure -----------------------------------------------------------------

@@ -197,6 +197,7 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+@pytest.mark.slow
 def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     env = clean_env(WORKER_HOME=str(home))
     contract = migrations.code_contract()
@@ -259,6 +260,7 @@ def test_production_without_a_database_url_starts_no_server(
     assert _status(clean_env(WORKER_HOME=str(home)))["running"] is False
 
 
+@pytest.mark.slow
 def test_db_url_gives_each_role_its_own_login_and_status_hides_the_secret(home: Path) -> None:
     env = clean_env(WORKER_HOME=str(home))
     res = worker("db", "url", "--role", "owner", env=env)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import pytest
 
 from worker.cli import cli
 
@@ -71,6 +72,7 @@ def run_json(env: dict[str, str], *args: str, ok: tuple[int, ...] = (0,)) -> lis
     return documents
 
 
+@pytest.mark.slow
 def test_data_commands_print_json_with_iso_timestamps(db_url: str, tmp_path: Path) -> None:
     env = {
         k: v

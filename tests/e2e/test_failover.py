@@ -225,6 +225,7 @@ async def check_runs_once(url: str, side_effects_url: str, acked: Sequence[Acked
         assert by_run.get(run_id) == (ROWS, ROWS), (run_id, by_run.get(run_id))
 
 
+@pytest.mark.slow
 async def test_a_synchronous_failover_loses_nothing_and_runs_nothing_twice(
     side_effects: str, tmp_path: Path
 ) -> None:
@@ -331,6 +332,7 @@ async def test_a_synchronous_failover_loses_nothing_and_runs_nothing_twice(
         )
 
 
+@pytest.mark.slow
 async def test_an_asynchronous_failover_loses_only_what_the_standby_did_not_have(
     side_effects: str, tmp_path: Path
 ) -> None:

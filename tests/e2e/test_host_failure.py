@@ -95,6 +95,7 @@ async def _submit(url: str, n: int, params: dict[str, Any]) -> list[uuid.UUID]:
         ]
 
 
+@pytest.mark.slow
 async def test_a_host_cut_off_mid_run(db_url: str, tmp_path: Path) -> None:
     params = conninfo_to_dict(db_url)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:

@@ -14,12 +14,14 @@ import subprocess
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from queues import lanes, outcomes, recovery
 from tests.apps.durable import SIDE_EFFECTS_DDL
 from tests.workers import durable_worker, eventually, fetch, submit
 
 
+@pytest.mark.slow
 async def test_a_run_that_kills_its_workers_fails_and_the_lane_keeps_flowing(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -110,6 +110,7 @@ async def claimed_by_one_worker(url: str, run_ids: list[uuid.UUID], started: int
     return await eventually(all_claimed, timeout=30)
 
 
+@pytest.mark.slow
 async def test_runs_claimed_ahead_by_a_killed_worker_are_rescued_within_seconds(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -152,6 +153,7 @@ async def test_runs_claimed_ahead_by_a_killed_worker_are_rescued_within_seconds(
     assert {s[2] for s in in_b} == {os.getpid()}
 
 
+@pytest.mark.slow
 async def test_a_paused_worker_keeps_its_runs_however_long_it_is_silent(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

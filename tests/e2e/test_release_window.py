@@ -659,6 +659,7 @@ def finish_held(old: Release, held: list[str], tmp: Path) -> None:
 # ---- the scenarios ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # a cold build of the previous release's venv may take most of it
 async def test_an_old_release_works_inside_the_window_after_an_expand(
     empty_db: Callable[[], Any], tmp_path: Path, previous_release: OldBuild
@@ -731,6 +732,7 @@ async def test_an_old_release_works_inside_the_window_after_an_expand(
     assert by_state.get("cancelled", 0) <= 1, by_state  # only the smoke's cancelled run
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_a_contract_waits_for_the_old_lane_then_closes_the_window(
     empty_db: Callable[[], Any], tmp_path: Path, previous_release: OldBuild

@@ -146,6 +146,7 @@ async def states(url: str, run_ids: list[str]) -> dict[str, str]:
     return {str(r): str(s) for r, s in rows}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     db_url: str, tmp_path: Path

@@ -259,6 +259,7 @@ async def test_a_sleeping_waiter_is_cancelled_at_once_and_a_second_cancel_is_har
     assert await outcomes_of(url, run_id) == ["suspended"]
 
 
+@pytest.mark.slow
 async def test_a_cancel_with_a_lapsed_lease_runs_the_cleanup_once(url: str) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.prepare(conn, "t")

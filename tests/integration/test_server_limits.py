@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import psycopg
+import pytest
 from psycopg_pool import AsyncConnectionPool
 
 from queues import authority, operations
@@ -228,6 +229,7 @@ SLOW_HEADER = b"X-Slow: " + b"a" * 1000
 BODY_HEAD = SLOW_HEAD + b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
 
 
+@pytest.mark.slow
 async def test_slow_and_idle_clients_are_closed_within_30s(db_url: str) -> None:
     async with (
         serve(db_url) as gw,
