@@ -474,9 +474,10 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
 
 -- name: run_events :many
 -- The ledger of a run after a given seq, in seq order (commit order: a follower that reads
--- after the last seq it saw never misses an event).
+-- after the last seq it saw never misses an event). Read from the view over wq_events and
+-- the state rows (docs/design.md, 11b).
 SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
-  FROM wq_events
+  FROM wq_ledger
  WHERE run_id = %(run_id)s AND seq > %(after)s
  ORDER BY seq;
 
