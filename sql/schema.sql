@@ -815,8 +815,9 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'serialization_failure',
             MESSAGE = format('event %s of run %s came with seq %s, but the run''s next '
-                             'seq is %s (an append of an older release took a number '
-                             'in between)', NEW.kind, NEW.run_id, NEW.seq, v_last + 1),
+                             'seq is %s (the number was not taken under the run''s ledger '
+                             'lock, and another append took it)', NEW.kind, NEW.run_id,
+                             NEW.seq, v_last + 1),
             HINT = 'retry the statement: it takes the number again';
     END IF;
     RETURN NEW;
@@ -932,6 +933,27 @@ CREATE FUNCTION public.wq_lease_lapsed(p_owner text, p_expires_at timestamp with
     LANGUAGE sql
     AS $$
     SELECT p_expires_at < p_at OR wq_worker_gone(p_owner, p_at)
+$$;
+
+--
+-- Name: wq_ledger_next_seq(uuid, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_next_seq(p_run uuid, p_counter bigint) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_counter bigint;
+    v_last bigint;
+BEGIN
+    SELECT r.ledger_seq INTO v_counter
+      FROM wq_runs r
+     WHERE r.id = p_run
+       FOR NO KEY UPDATE;  -- lock 1, the run row
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || p_run::text, 0));  -- lock 2
+    SELECT max(e.seq) INTO v_last FROM wq_events e WHERE e.run_id = p_run;
+    RETURN coalesce(greatest(p_counter, v_counter, v_last), 0) + 1;
+END;
 $$;
 
 --

@@ -139,11 +139,10 @@ WITH input AS (
                'lease_owner', f.lease_owner)),
            finished_at = CASE WHEN f.state IN ('failed', 'cancelled')
                               THEN coalesce(%(now)s::timestamptz, now()) END,
-           -- The lease_expired event takes the run's next seq under the row lock `fenced`
-           -- holds (docs/design.md, 11b).
-           ledger_seq = greatest(r.ledger_seq,
-                                 (SELECT max(e.seq) FROM wq_events e WHERE e.run_id = r.id))
-                        + 1,
+           -- The lease_expired event takes the run's next seq (docs/design.md, 11b): under
+           -- the row lock `fenced` holds, the function takes the run's ledger lock and
+           -- reads the last seq after it.
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM fenced f
      WHERE r.id = f.id

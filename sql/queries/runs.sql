@@ -38,11 +38,10 @@ WITH taken AS (
                               + make_interval(secs => l.lease_ttl_s),
            started_at = coalesce(r.started_at, coalesce(%(now)s::timestamptz, now())),
            available_at = NULL,
-           -- The attempt's start event takes the run's next seq here, under the row lock
-           -- (docs/design.md, 11b); a run not numbered yet starts after its last event.
-           ledger_seq = greatest(r.ledger_seq,
-                                 (SELECT max(e.seq) FROM wq_events e WHERE e.run_id = r.id))
-                        + 1,
+           -- The attempt's start event takes the run's next seq here (docs/design.md, 11b):
+           -- the function locks the row, then the run's ledger lock, and reads the last
+           -- seq after both (a run not numbered yet starts after its last event).
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM taken, wq_lanes l
      -- The taken jobs' runs by key (the array), whatever the size of the history: joined
@@ -292,11 +291,10 @@ WITH input AS (
            wake_payload = NULL,
            finished_at = CASE WHEN f.state IN ('succeeded', 'failed', 'cancelled')
                               THEN now() END,
-           -- The outcome's event takes the run's next seq under the row lock `fenced`
-           -- holds (docs/design.md, 11b).
-           ledger_seq = greatest(r.ledger_seq,
-                                 (SELECT max(e.seq) FROM wq_events e WHERE e.run_id = r.id))
-                        + 1,
+           -- The outcome's event takes the run's next seq (docs/design.md, 11b): under the
+           -- row lock `fenced` holds, the function takes the run's ledger lock and reads
+           -- the last seq after it.
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM applying f
      WHERE r.id = f.id
@@ -386,10 +384,6 @@ WITH target AS (
        FOR UPDATE
 ), decided AS (
     SELECT t.*,
-           -- The event's seq: the run's next, taken under the row lock (docs/design.md, 11b).
-           greatest(t.ledger_seq,
-                    (SELECT max(e.seq) FROM wq_events e WHERE e.run_id = t.id)) + 1
-               AS next_seq,
            jsonb_strip_nulls(jsonb_build_object(
                'reason', %(reason)s::text,
                'forced', CASE WHEN %(force)s::boolean THEN true END,
@@ -401,6 +395,13 @@ WITH target AS (
            t.state IN ('queued', 'sleeping', 'running') AND t.cancel_requested_at IS NULL
                AS first_request
       FROM target t
+), numbered AS (
+    -- The event's seq, only when there is an event (docs/design.md, 11b): under the row
+    -- lock `target` holds, the function takes the run's ledger lock and reads the last seq
+    -- after it. A finished run, or a repeated request of a running one, takes nothing.
+    SELECT d.*, wq_ledger_next_seq(d.id, d.ledger_seq) AS next_seq
+      FROM decided d
+     WHERE d.now_ OR d.first_request
 ), req AS (
     UPDATE wq_runs r
        SET cancel_requested_at = coalesce(r.cancel_requested_at, now()),
@@ -418,8 +419,8 @@ WITH target AS (
            ledger_end_data = CASE WHEN d.now_ THEN d.event_data ELSE r.ledger_end_data END,
            ledger_end_at = CASE WHEN d.now_ THEN now() ELSE r.ledger_end_at END,
            updated_at = now()
-      FROM decided d
-     WHERE r.id = d.id AND (d.now_ OR d.first_request)
+      FROM numbered d
+     WHERE r.id = d.id
     RETURNING r.id, r.state, r.ledger_seq, d.event_data
 ), job AS (
     -- The run's job: a waiting one is cancelled; a forced cancel aborts a delivery in flight.

@@ -25,14 +25,17 @@ ALTER TABLE wq_attempts
     ADD COLUMN end_kind text,
     ADD COLUMN end_data jsonb;
 
--- Numbering. An event without a seq (every append of the previous release; this
--- release's appends that do not update the run row) is numbered as before: under the
--- run's ledger lock, after the last one. An event that comes with its seq took it from
--- the run's counter in the statement that updated the run row; under the same lock it
--- must be the next one. If an older release's append took that number in between (it
--- numbers without the counter), the statement fails as a serialization failure and is
--- retried with a fresh snapshot, which sees that append. The trigger never writes the run
--- row: an older statement that updates the run row in one CTE and appends in one run
+-- Numbering. Every seq of a run is taken under its ledger lock (a transaction advisory
+-- lock on 'wq_ledger:' || run_id, held to commit), after the last seq in wq_events, so a
+-- run's order is gapless and commit order. An event without a seq (every append of the
+-- previous release; this release's appends that do not update the run row) is numbered
+-- here. An event that comes with its seq took it from wq_ledger_next_seq (below) in the
+-- statement that updated the run row, under the same lock, which that transaction still
+-- holds: here it is the next one. The check stays for a seq taken any other way (a
+-- statement that took it without the lock would let an older release's append, which
+-- numbers without the counter, take that number first): the statement then fails as a
+-- serialization failure, to be retried with a fresh snapshot. The trigger never writes the
+-- run row: an older statement that updates the run row in one CTE and appends in one run
 -- before it would then fail ("tuple to be updated was already modified by an operation
 -- triggered by the current command").
 CREATE OR REPLACE FUNCTION wq_events_sequence() RETURNS trigger
@@ -55,11 +58,53 @@ BEGIN
         RAISE EXCEPTION USING
             ERRCODE = 'serialization_failure',
             MESSAGE = format('event %s of run %s came with seq %s, but the run''s next '
-                             'seq is %s (an append of an older release took a number '
-                             'in between)', NEW.kind, NEW.run_id, NEW.seq, v_last + 1),
+                             'seq is %s (the number was not taken under the run''s ledger '
+                             'lock, and another append took it)', NEW.kind, NEW.run_id,
+                             NEW.seq, v_last + 1),
             HINT = 'retry the statement: it takes the number again';
     END IF;
     RETURN NEW;
+END;
+$$;
+
+-- The next seq of a run, for a statement that updates the run row and writes the event
+-- with its number (the claim, the finish batch, recovery's lapse rescue, the cancel): called
+-- in that UPDATE's SET, `ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq)`.
+--
+-- Lock order, the same for every appender of a run's events: (1) the run row, (2) the
+-- run's ledger lock. The function takes both in that order. The row lock is a no-op for a
+-- statement that locked the row already (the finish batch, the rescue and the cancel hold
+-- it FOR UPDATE); the claim's UPDATE evaluates its SET before it locks the row, so here
+-- the row comes first for it too. Every other appender holds the row before its insert
+-- takes the ledger lock in wq_events_sequence: ledger_append, ledger_append_delivered,
+-- receipt_finish and child_spawn (the parent) FOR SHARE; the sheet statements FOR NO KEY
+-- UPDATE; event_emit, the operator's retry, recovery's respawn, cancel of orphans and
+-- adoption, job_drop and options_expire_unstarted FOR UPDATE or by their UPDATE of the
+-- row; admission and a child's spawn insert the row, and run_created takes no lock.
+--
+-- Then the number: the greater of the counter and the last seq in wq_events, plus one. A
+-- volatile function's query takes a fresh snapshot (READ COMMITTED), so it sees every
+-- append committed before the lock was granted; an append still open holds the lock, and
+-- this waits for its commit. Held to commit, the lock keeps any other appender of the run
+-- from taking a number before this one commits: the insert that follows is always the
+-- next seq, and wq_events_sequence's check never fires for it. The counter is read from
+-- the locked row too, so a caller's stale copy cannot move the number back; when the row
+-- changed since the caller's snapshot, the UPDATE re-evaluates its SET on the new version
+-- anyway (and calls this again, which then waits for nothing).
+CREATE FUNCTION wq_ledger_next_seq(p_run uuid, p_counter bigint) RETURNS bigint
+    LANGUAGE plpgsql VOLATILE
+    AS $$
+DECLARE
+    v_counter bigint;
+    v_last bigint;
+BEGIN
+    SELECT r.ledger_seq INTO v_counter
+      FROM wq_runs r
+     WHERE r.id = p_run
+       FOR NO KEY UPDATE;  -- lock 1, the run row
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || p_run::text, 0));  -- lock 2
+    SELECT max(e.seq) INTO v_last FROM wq_events e WHERE e.run_id = p_run;
+    RETURN coalesce(greatest(p_counter, v_counter, v_last), 0) + 1;
 END;
 $$;
 
