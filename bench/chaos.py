@@ -684,15 +684,16 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
             if progress is not None and progress[0] == 0 and zombie is None:
                 break  # (a zombie's late writes land first)
             done = (progress[1] / total) if progress is not None else done
+            # The restart cuts every connection, a zombie's too: it waits while a zombie is
+            # out, and goes before the next one. It is not cut off by faults_until: a zombie
+            # out past it (a slow machine) leaves the restart for the rows still to do.
+            if progress is not None and restarts == 0 and done >= cfg.restart_at and zombie is None:
+                procs.restart_postgres(home)
+                restarts += 1
+                last_fault = time.monotonic()
+                say(done, "postgres restarted")
+                continue
             if progress is not None and done < cfg.faults_until:
-                # The restart cuts every connection, a zombie's too: it waits while a
-                # zombie is out, and goes before the next one.
-                if restarts == 0 and done >= cfg.restart_at and zombie is None:
-                    procs.restart_postgres(home)
-                    restarts += 1
-                    last_fault = time.monotonic()
-                    say(done, "postgres restarted")
-                    continue
                 if zombie is None and zombies_at and done >= zombies_at[0]:
                     # A zombie due holds the other faults back until it is out: each of
                     # them restarts attempts, and a zombie needs a worker whose attempts

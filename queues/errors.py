@@ -21,6 +21,7 @@ database error onto this tree at one boundary.
     │   ├── PayloadTooLarge             params or input over the limit
     │   └── LimitUnknown                a permit of a rate limit nobody defined
     ├── DatabaseUnreachable             nothing answers at the configured database (exit 6)
+    │   └── DatabaseLost                a long-lived process's outage outlasted --max-outage
     ├── DatabaseError                   the database refused a statement for another reason
     ├── PostgresUnsupported             the server's major version is outside the supported range
     ├── SchemaError
@@ -40,7 +41,7 @@ database error onto this tree at one boundary.
     │   └── RunRowInvalid               a claimed run's row no worker can use (the run fails)
     ├── FenceError                      a write of a stale attempt or version
     │   ├── StaleAttempt                the attempt no longer owns its run
-    │   └── SheetSuperseded             rows now belong to a newer admission
+    │   └── SheetSuperseded             superseded: row writes refused, the attempt must stop
     ├── OperationRefused                a receiver does not serve a named action (400)
     │   └── WriteIntentUnavailable      the intent admission met an older receiver
     ├── AuthorityError                  a runtime request's credential (403)
@@ -152,6 +153,15 @@ class AppInvalid(InputError):
 class DatabaseUnreachable(WorkerError):
     code = "DATABASE_UNREACHABLE"
     exit_code = ExitCode.DATABASE_UNREACHABLE
+
+
+class DatabaseLost(DatabaseUnreachable):
+    """A long-lived process (a worker, a recovery loop, a waiting or following client) lost
+    its database and it did not answer again within the process's ``--max-outage``: the
+    process ends (exit 6), so its supervisor restarts it or its caller retries. A shorter
+    outage (a restart, a failover) is ridden out (:mod:`worker.outage`)."""
+
+    code = "DATABASE_LOST"
 
 
 class PostgresUnsupported(WorkerError):
@@ -282,40 +292,114 @@ class StaleAttempt(FenceError):
 
 
 class SheetSuperseded(FenceError):
-    """Row completions were refused: the attempt no longer owns its run, or another
-    admission owns the rows. Carries the structured facts of the refusal."""
+    """Terminal row writes were refused because this attempt is superseded: it must stop.
 
-    code = "SHEET_SUPERSEDED"
+    The wire form is the reference runtime's (docs/reference/gateway.md): the code
+    ``RUNTIME_SHEET_ATTEMPT_SUPERSEDED``, ``tableNamespace``, ``runId``, ``writeVersion``,
+    ``submittedRows`` and every refused row in ``supersededRows`` (``key``, ``reason``,
+    ``rowVersionStamp``); the message counts the rows per reason and shows at most five.
+    What the attempt fence adds (``stale_attempt``: a newer attempt, a rescue or a cancel
+    took the run) is in ``fenceReason``, a field of its own. An older receiver's code,
+    ``SHEET_SUPERSEDED``, is still read as this error (:data:`RETIRED_CODES`)."""
+
+    code = "RUNTIME_SHEET_ATTEMPT_SUPERSEDED"
+    SAMPLE_SIZE: ClassVar[int] = 5
 
     def __init__(
         self,
-        message: str,
+        message: str | None = None,
         *,
         fix: str | None = None,
         sheet: str = "",
         run_id: str = "",
         write_version: int | None = None,
         submitted: int = 0,
-        counts: Mapping[str, int] | None = None,
-        samples: tuple[tuple[str, str, int | None], ...] = (),
+        superseded_rows: Iterable[tuple[str, str, int | None]] = (),
+        fence_reason: str | None = None,
     ) -> None:
         self.sheet = sheet
         self.run_id = run_id
         self.write_version = write_version
         self.submitted = submitted
-        self.counts = dict(counts or {})
-        self.samples = samples  # up to five (row key, reason, row's current version)
-        super().__init__(message, fix=fix)
+        # Every refused row: (row key, reason, the write version stamped on the row now).
+        self.superseded_rows = tuple(superseded_rows)
+        self.fence_reason = fence_reason
+        super().__init__(
+            message or self._message(),
+            fix=fix
+            or "stop the attempt: the admission or attempt that owns the rows finishes them",
+        )
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Refused rows per reason, in the order reasons first appear."""
+        counts: dict[str, int] = {}
+        for _key, reason, _version in self.superseded_rows:
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
+
+    @property
+    def samples(self) -> tuple[tuple[str, str, int | None], ...]:
+        """The first :attr:`SAMPLE_SIZE` refused rows (what the message shows)."""
+        return self.superseded_rows[: self.SAMPLE_SIZE]
+
+    def _message(self) -> str:
+        reasons = ", ".join(f"{reason}={n}" for reason, n in self.counts.items())
+        shown = "; ".join(
+            f"key={key} row_write_version={'unknown' if version is None else version}"
+            for key, _reason, version in self.samples
+        )
+        version = "none" if self.write_version is None else self.write_version
+        return (
+            f"{self.code}: sheet {self.sheet!r} refused {len(self.superseded_rows)} of "
+            f"{self.submitted} terminal row write(s) of run {self.run_id} at write version "
+            f"{version}: a different write version owns the rows ({reasons or 'unreported'}). "
+            f"A newer admission of these rows superseded this attempt, which must stop "
+            f"running: nothing it writes from now on can be accepted. Sample: {shown}."
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return super().as_dict() | {
-            "sheet": self.sheet,
-            "run_id": self.run_id,
-            "write_version": self.write_version,
-            "submitted": self.submitted,
-            "counts": self.counts,
-            "samples": [list(sample) for sample in self.samples],
+        wire = super().as_dict() | {
+            "tableNamespace": self.sheet,
+            "runId": self.run_id,
+            "writeVersion": self.write_version,
+            "submittedRows": self.submitted,
+            "supersededRows": [
+                {"key": key, "reason": reason, "rowVersionStamp": version}
+                for key, reason, version in self.superseded_rows
+            ],
         }
+        if self.fence_reason is not None:
+            wire["fenceReason"] = self.fence_reason
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> SheetSuperseded:
+        """Read the reference's fields; an older receiver's (``SHEET_SUPERSEDED``: sheet,
+        run_id, write_version, submitted and up to five samples) too."""
+        if "supersededRows" in data:
+            rows = [
+                (entry.get("key"), entry.get("reason"), entry.get("rowVersionStamp"))
+                for entry in data.get("supersededRows") or ()
+                if isinstance(entry, Mapping)
+            ]
+        else:  # an older receiver's samples: [key, reason, version]
+            rows = [tuple(sample)[:3] for sample in data.get("samples") or ()]
+        version = data.get("writeVersion", data.get("write_version"))
+        fence = data.get("fenceReason")
+        return cls(
+            str(data.get("message") or "") or None,
+            fix=data.get("fix"),
+            sheet=str(data.get("tableNamespace", data.get("sheet")) or ""),
+            run_id=str(data.get("runId", data.get("run_id")) or ""),
+            write_version=version if isinstance(version, int) else None,
+            submitted=int(data.get("submittedRows", data.get("submitted")) or 0),
+            superseded_rows=[
+                (str(key), str(reason or "unreported"), stamp if isinstance(stamp, int) else None)
+                for key, reason, stamp in rows
+            ],
+            fence_reason=fence if isinstance(fence, str) else None,
+        )
 
 
 class OperationRefused(WorkerError):
@@ -386,24 +470,21 @@ def from_wire(data: Mapping[str, Any]) -> WorkerError:
     """The error a receiver answered with (``as_dict`` on the other side), as its class:
     the code picks the class; an unknown code stays a plain :class:`WorkerError` with it."""
     code = str(data.get("code") or WorkerError.code)
-    cls = _by_code().get(code, WorkerError)
+    cls = RETIRED_CODES.get(code) or _by_code().get(code, WorkerError)
     message = str(data.get("message") or code)
     common = {"fix": data.get("fix")}
     if cls is SheetSuperseded:
-        return SheetSuperseded(
-            message,
-            fix=data.get("fix"),
-            sheet=str(data.get("sheet") or ""),
-            run_id=str(data.get("run_id") or ""),
-            write_version=data.get("write_version"),
-            submitted=int(data.get("submitted") or 0),
-            counts=data.get("counts") or {},
-            samples=tuple(tuple(x) for x in data.get("samples") or ()),
-        )
+        return SheetSuperseded.from_wire(data)
     error = cls(message, field=data.get("field"), rule=data.get("rule"), **common)
     if cls is WorkerError:
         error.code = code  # type: ignore[misc]
     return error
+
+
+# Codes an older receiver may still answer with, read as the error that replaced them (never
+# raised here, never reused): SHEET_SUPERSEDED became the reference runtime's
+# RUNTIME_SHEET_ATTEMPT_SUPERSEDED.
+RETIRED_CODES: Mapping[str, type[WorkerError]] = {"SHEET_SUPERSEDED": SheetSuperseded}
 
 
 def _by_code() -> dict[str, type[WorkerError]]:

@@ -225,6 +225,21 @@ async def _sheet_start_with_intent(conn: AsyncConn, p: Input, claims: Claims) ->
 async def _admit(
     conn: AsyncConn, p: Input, claims: Claims, *, stable_intent: bool
 ) -> dict[str, Any]:
+    """An admission page. The action says whether it is under the run's stable intent;
+    ``stableWriteIntent``, which the reference's client sends too, may only agree with it
+    (its opt-in travels as the action, so an older receiver refuses it instead of ignoring
+    it). ``pendingRerunAdmission`` (absent: true) re-admits pending rows of older versions."""
+    asked = p.get("stableWriteIntent")
+    if asked is not None and asked is not stable_intent:
+        other = "runtime_sheet_start" if stable_intent else "runtime_sheet_start_with_intent"
+        raise InvalidField(
+            f"stableWriteIntent is {str(asked).lower()} in an admission under "
+            f"{'the' if stable_intent else 'no'} stable write intent",
+            field="input.stableWriteIntent",
+            rule="true (or absent) with runtime_sheet_start_with_intent, false (or absent) "
+            "with runtime_sheet_start",
+            fix=f"send the page as {other}, or drop stableWriteIntent",
+        )
     result = await sheets.admit_page(
         conn,
         org=claims.org,
@@ -233,6 +248,7 @@ async def _admit(
         rows=_rows(p["rows"]),
         write_version=_optional_int(p.get("writeVersion"), "writeVersion"),
         stable_intent=stable_intent,
+        pending_rerun_admission=p.get("pendingRerunAdmission") is not False,
     )
     return result.to_wire()
 
@@ -252,7 +268,7 @@ async def _sheet_complete(conn: AsyncConn, p: Input, claims: Claims) -> dict[str
                 fix="complete rows as done or failed",
             ) from None
         completions.append(sheets.RowCompletion(item["key"], item.get("output"), status))
-    result = await sheets.complete_rows(
+    result = await sheets.complete_page(
         conn,
         org=claims.org,
         sheet=p["tableNamespace"],
@@ -417,6 +433,8 @@ async def _start_run(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any
 # ---- the table ------------------------------------------------------------------------
 
 _SHEET_PAGE = frozenset({"tableNamespace", "rows"})
+# An admission page's options, with the reference runtime's names.
+_ADMISSION = frozenset({"writeVersion", "stableWriteIntent", "pendingRerunAdmission"})
 _STEP = frozenset({"stepKey"})
 _RUN = frozenset({"runId"})
 
@@ -430,7 +448,7 @@ ACTIONS: Mapping[str, Action] = {
             SHEET_WRITE,
             _sheet_start,
             _SHEET_PAGE,
-            _RUN | {"writeVersion"},
+            _RUN | _ADMISSION,
             ADMISSION_TIMEOUT_S,
         ),
         # A named operation of its own, so an older receiver refuses the opt-in loudly
@@ -440,7 +458,7 @@ ACTIONS: Mapping[str, Action] = {
             SHEET_WRITE,
             _sheet_start_with_intent,
             _SHEET_PAGE,
-            _RUN | {"writeVersion"},
+            _RUN | _ADMISSION,
             ADMISSION_TIMEOUT_S,
         ),
         Action(
@@ -814,6 +832,17 @@ def _list_field(value: object, where: str) -> object:
     return _list(value, where)
 
 
+def _optional_flag(value: object, where: str) -> object:
+    if value is None or isinstance(value, bool):
+        return value
+    raise InvalidField(
+        f"{where} must be true or false, got {fields.shown(value)}",
+        field=where,
+        rule="a JSON boolean, or null",
+        fix=f"send {where} as true or false, or omit it",
+    )
+
+
 def _any_json(value: object, where: str) -> object:
     return value  # any JSON value: its size and depth are checked where it is stored
 
@@ -871,6 +900,8 @@ FIELD_TYPES: Mapping[str, Check] = {
     "tableNamespace": _text_field,
     "rows": _list_field,
     "writeVersion": _whole(0, MAX_BIGINT, optional=True),
+    "stableWriteIntent": _optional_flag,
+    "pendingRerunAdmission": _optional_flag,
     "results": _list_field,
     "keys": _list_field,
     "page": _whole(0, MAX_INTEGER, optional=True),

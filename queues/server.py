@@ -78,3 +78,18 @@ async def require_supported(conn: psycopg.AsyncConnection[Any]) -> int:
             )
         _checked[key] = version_num
     return major_of(version_num)
+
+
+# What a commit's acknowledgement promises under each ``synchronous_commit``: with ``off``
+# a commit is acknowledged before it is flushed, so a crash or a failover loses the last
+# acknowledged submits, receipts and final writes (docs/how-to/high-availability.md).
+UNDURABLE_COMMITS = frozenset({"off"})
+
+
+async def synchronous_commit(conn: psycopg.AsyncConnection[Any]) -> str:
+    """The ``synchronous_commit`` the commits of ``conn`` run with: the server's setting,
+    or its database's or role's when they set one."""
+    cur = await conn.execute("SELECT current_setting('synchronous_commit')")
+    row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])

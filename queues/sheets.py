@@ -12,11 +12,17 @@ version**, the fencing token it stamps on the rows it owns:
   every later page, retry, wake or recovery of that run reuses it, even with no local
   state. A new run admits a newer intent and takes over the pending rows.
 
+A version the caller carries (``write_version``: saved from an earlier page or an earlier
+attempt of the run) is reused as it is, as the reference runtime's mint does, provided it
+is one of the run's own versions on the sheet; a first intent that carries one stores it.
+Sheet names are normalised (:func:`sheet_name`) before anything is stored or matched.
+
 Every statement is fenced by the writer's attempt (:class:`~queues.fence.Fence`): a stale
 attempt admits and completes nothing. Completing rows writes terminal outputs only where
 the attempt fence holds, the row still carries the writer's version and is pending; every
-other row is reported stale with a :class:`StaleReason`. Lock order and statement bounds
-are documented in ``sql/queries/sheets.sql``.
+other row is reported stale with a :class:`StaleReason`, the reference runtime's four;
+what the attempt fence adds is a :class:`FenceReason`, kept apart from them. Lock order
+and statement bounds are documented in ``sql/queries/sheets.sql``.
 """
 
 from __future__ import annotations
@@ -55,7 +61,6 @@ JSON: TypeAlias = fields.JSON
 
 MAX_PAGE_ROWS = fields.MAX_PAGE_KEYS
 MAX_KEY_CHARS = fields.MAX_ROW_KEY
-SUPERSEDED_SAMPLE_SIZE = 5
 
 
 class Disposition(StrEnum):
@@ -66,6 +71,9 @@ class Disposition(StrEnum):
     ALREADY_CURRENT = "already_current"  # already pending under this version (a replay)
     ALREADY_TERMINAL = "already_terminal"  # done or failed: untouched
     SUPERSEDED = "superseded"  # pending under a newer version: left to that admission
+    # Pending under an older admission and left to it: the page asked for no rerun
+    # admission (pendingRerunAdmission false).
+    LEFT_PENDING = "left_pending"
 
 
 class RowStatus(StrEnum):
@@ -77,13 +85,22 @@ class RowStatus(StrEnum):
 
 
 class StaleReason(StrEnum):
-    """Why a row completion was not written."""
+    """Why a row completion was not written: the reference runtime's four reasons."""
 
-    NEWER_WRITE_VERSION = "newer_write_version"  # a later admission owns the row
+    NEWER_WRITE_VERSION = "newer_write_version"  # a later admission (or attempt) owns the row
     OLDER_WRITE_VERSION = "older_write_version"  # the writer's version never admitted it
     ALREADY_TERMINAL = "already_terminal"  # finished already, nothing overwritten: benign
-    STALE_ATTEMPT = "stale_attempt"  # the writer's attempt no longer owns its run: stop
-    UNREPORTED = "unreported"  # the receiver gave no (known) reason: treated as superseded
+    # Never sent by this receiver: a client's reading of a receiver that gave no (known)
+    # reason. Treated as superseded, as every stale versioned write is.
+    UNREPORTED = "unreported"
+
+
+class FenceReason(StrEnum):
+    """What the attempt fence adds to a refused completion (``fenceReason`` on the wire, a
+    field the reference's client ignores). Its rows are ``newer_write_version`` on the
+    reference's fields, and listed in ``supersededKeys``: the attempt must stop."""
+
+    STALE_ATTEMPT = "stale_attempt"  # the writer's attempt no longer owns its run
 
 
 BENIGN_REASONS = frozenset({StaleReason.ALREADY_TERMINAL})
@@ -145,6 +162,10 @@ class CompletionResult:
     committed: tuple[str, ...]  # durably accepted, including idempotent replays
     replayed: tuple[str, ...]  # the subset of committed that was already written
     stale: tuple[StaleRow, ...]
+    # The receiver's explicit stop signal: these rows' refusal supersedes the whole attempt
+    # (the reference's supersededKeys). The writer raises SheetSuperseded on it.
+    superseded_keys: tuple[str, ...] = ()
+    fence: FenceReason | None = None  # the attempt fence refused the page (fenceReason)
 
     @property
     def superseded(self) -> tuple[StaleRow, ...]:
@@ -154,17 +175,35 @@ class CompletionResult:
     @property
     def attempt_stale(self) -> bool:
         """The writer's attempt was refused by the attempt fence: it must stop."""
-        return any(row.reason is StaleReason.STALE_ATTEMPT for row in self.stale)
+        return self.fence is FenceReason.STALE_ATTEMPT
+
+    @property
+    def submitted(self) -> int:
+        return len(self.committed) + len(self.stale)
 
     def raise_if_superseded(self, *, sheet: str, run_id: UUID | str) -> None:
         """The writer's explicit choice: raise :class:`SheetSuperseded` on any non-benign
         stale row (a completion reports them without raising otherwise)."""
-        submitted = len(self.committed) + len(self.stale)
-        raise_if_superseded(self, sheet=sheet, run_id=run_id, submitted=submitted)
+        raise_if_superseded(self, sheet=sheet, run_id=run_id, submitted=self.submitted)
+
+    def raise_if_stopped(self, *, sheet: str, run_id: UUID | str) -> None:
+        """Raise :class:`SheetSuperseded` when the receiver said the attempt must stop
+        (``supersededKeys``), whatever the writer asked: with the stale rows of those keys
+        (a key the receiver gave no stale row for counts as ``unreported``)."""
+        if not self.superseded_keys:
+            return
+        by_key = {row.key: row for row in self.stale}
+        rows = [
+            by_key.get(key) or StaleRow(key, StaleReason.UNREPORTED, None)
+            for key in self.superseded_keys
+        ]
+        _raise_superseded(self, rows, sheet=sheet, run_id=run_id, submitted=self.submitted)
 
     def to_wire(self) -> dict[str, JSON]:
-        """The reference runtime's shape: committedKeys, staleRows with rowVersionStamp."""
-        return {
+        """The reference runtime's shape: committedKeys, staleRows (key, one of its four
+        reasons, rowVersionStamp), supersededKeys when the attempt must stop; this
+        receiver's additions (replayedKeys, fenceReason) are fields of their own."""
+        wire: dict[str, JSON] = {
             "writeVersion": self.write_version,
             "committedKeys": list(self.committed),
             "replayedKeys": list(self.replayed),
@@ -173,6 +212,11 @@ class CompletionResult:
                 for s in self.stale
             ],
         }
+        if self.superseded_keys:
+            wire["supersededKeys"] = list(self.superseded_keys)
+        if self.fence is not None:
+            wire["fenceReason"] = self.fence.value
+        return wire
 
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> CompletionResult:
@@ -180,6 +224,7 @@ class CompletionResult:
 
         A stale entry without a reason (or with one this code does not know) becomes
         ``unreported``, which counts as superseded: every stale versioned write is.
+        ``supersededKeys`` is the receiver's stop signal (:meth:`raise_if_stopped`).
         """
         stale: list[StaleRow] = []
         for entry in data.get("staleRows") or data.get("staleKeys") or ():
@@ -199,7 +244,16 @@ class CompletionResult:
             committed=tuple(data.get("committedKeys") or ()),
             replayed=tuple(data.get("replayedKeys") or ()),
             stale=tuple(stale),
+            superseded_keys=tuple(str(key) for key in data.get("supersededKeys") or ()),
+            fence=_fence_reason(data.get("fenceReason")),
         )
+
+
+def _fence_reason(value: object) -> FenceReason | None:
+    try:
+        return FenceReason(value) if isinstance(value, str) else None
+    except ValueError:
+        return None  # a reason this code does not know: supersededKeys still says stop
 
 
 class Progress(NamedTuple):
@@ -219,18 +273,22 @@ async def admit_page(
     rows: Sequence[tuple[str, JSON]],
     write_version: int | None = None,
     stable_intent: bool = False,
+    pending_rerun_admission: bool = True,
 ) -> AdmitResult:
     """Admit one page of ``(key, input)`` rows to a sheet, in one transaction; fenced.
 
-    Resolves the write version (stable intent: the run's durable intent on the sheet,
-    created on first use; legacy: ``write_version`` when the attempt already minted one
-    on an earlier page, else a fresh one), inserts new rows and re-admits pending rows of
-    older versions under it, and returns each row's disposition in page order. Raises
-    :class:`WriteVersionMismatch` when ``write_version`` disagrees with the stored intent,
-    and :class:`StaleAttempt` when the fence no longer holds; nothing is written then.
+    Resolves the write version (stable intent, opt-in: the run's durable intent on the
+    sheet, created on first use, from ``write_version`` when the caller carries one;
+    legacy: ``write_version`` when given, else the version this attempt minted on its
+    first page), inserts new rows and, with ``pending_rerun_admission`` (the default),
+    re-admits pending rows of older versions under it; without it they are left to their
+    admission (``left_pending``). Returns each row's disposition in page order. Raises
+    :class:`WriteVersionMismatch` when ``write_version`` is not one of the run's versions
+    on the sheet or disagrees with its stored intent, and :class:`StaleAttempt` when the
+    fence no longer holds; nothing is written then.
     """
-    _check_name("org", org)
-    _check_name("sheet", sheet)
+    fields.org(org)
+    sheet = sheet_name(sheet)
     keys = _check_keys([key for key, _ in rows], "rows")
     if write_version is not None and write_version <= 0:
         raise InvalidField(
@@ -252,6 +310,7 @@ async def admit_page(
             keys=keys,
             write_version=write_version,
             stable_intent=stable_intent,
+            readmit_pending=pending_rerun_admission,
         )
     if isinstance(admitted, Exception):
         raise admitted
@@ -268,6 +327,7 @@ async def _admit_in_transaction(
     keys: list[str],
     write_version: int | None,
     stable_intent: bool,
+    readmit_pending: bool,
 ) -> AdmitResult | WorkerError:
     if stable_intent:
         version = await _resolve_intent(
@@ -290,6 +350,7 @@ async def _admit_in_transaction(
                     "write_version": version,
                     "keys": keys,
                     "inputs": [Jsonb(value) for _, value in rows],
+                    "readmit_pending": readmit_pending,
                     **fence.params(count=len(keys)),
                 },
                 prepare=False,  # see PAGE_PLAN_NOTE
@@ -320,8 +381,11 @@ def _untouched_disposition(status: str, row_version: int | None, version: int) -
         return Disposition.ALREADY_TERMINAL
     if row_version == version:
         return Disposition.ALREADY_CURRENT
-    # Pending but not re-admitted: only a newer version is left alone (sheet_admit_rows).
-    return Disposition.SUPERSEDED
+    if row_version is not None and row_version > version:
+        return Disposition.SUPERSEDED
+    # Pending under an older version and not re-admitted: the page asked for no rerun
+    # admission (sheet_admit_rows re-admits every such row otherwise).
+    return Disposition.LEFT_PENDING
 
 
 async def _attempt_version(
@@ -333,24 +397,34 @@ async def _attempt_version(
     expected: int | None,
     count: int,
 ) -> int | WorkerError:
-    """The legacy version of this attempt on the sheet (minted on its first page)."""
+    """The legacy version of a page: the caller's (one of its run's versions on the sheet,
+    reused as it is), else the one this attempt minted on its first page. The version an
+    attempt's first page resolves is recorded as the attempt's."""
     cur = await conn.execute(
-        q("sheet_version_mint"), {"org": org, "sheet": sheet, **fence.params(count)}
+        q("sheet_version_mint"),
+        {"org": org, "sheet": sheet, "write_version": expected, **fence.params(count)},
     )
     row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
-    fenced, run_attempt, run_state, run_org, version = row
+    fenced, run_attempt, run_state, run_org, version, owned = row
     if not fenced:
         return _admission_refused(fence, org, count, run_attempt, run_state, run_org)
-    if expected is not None and expected != version:
-        raise WriteVersionMismatch(
-            f"write_version {expected} is not the version attempt {fence.attempt} of run "
-            f"{fence.run_id} admits sheet {sheet!r} under ({version}); nothing was written",
-            field="write_version",
-            rule="a legacy admission reuses the version its attempt minted on its first page",
-            fix="omit write_version, or pass the one this attempt's first admission returned",
-        )
-    return int(version)
+    if expected is None:
+        return int(version)
+    if not owned:
+        raise _not_the_runs(expected, fence, sheet)
+    return expected
+
+
+def _not_the_runs(expected: int, fence: Fence, sheet: str) -> WriteVersionMismatch:
+    return WriteVersionMismatch(
+        f"write_version {expected} was never admitted for run {fence.run_id} on sheet "
+        f"{sheet!r}; nothing was written",
+        field="write_version",
+        rule="a version an earlier admission of this run on this sheet returned",
+        fix="omit write_version (a fresh one is minted, or the run's intent reused), or "
+        "pass one an earlier page or attempt of this run got back",
+    )
 
 
 def _admission_refused(
@@ -382,35 +456,29 @@ async def _resolve_intent(
     count: int,
 ) -> int | WorkerError:
     run_id = fence.run_id
-    params = {"org": org, "sheet": sheet, **fence.params(count)}
+    params = {"org": org, "sheet": sheet, "write_version": expected, **fence.params(count)}
     cur = await conn.execute(q("sheet_intent_claim"), params)
     row = await cur.fetchone()
     assert row is not None  # the statement always returns one row
-    fenced, run_attempt, run_state, run_org, inserted, existing = row
+    fenced, run_attempt, run_state, run_org, inserted, existing, owned = row
     if not fenced:
         return _admission_refused(fence, org, count, run_attempt, run_state, run_org)
     version = inserted if inserted is not None else existing
     if version is None:
-        # Lost the insert-if-absent race: the winner has committed by now, but only a new
-        # statement can see it. Never fall back to the losing candidate.
+        # Nothing inserted and nothing seen: a lost insert-if-absent race (the winner has
+        # committed by now, but only a new statement can see it; never fall back to the
+        # losing candidate), or a caller's version that is not the run's.
         cur = await conn.execute(q("sheet_intent_read"), params)
         reread = await cur.fetchone()
-        if reread is None:  # the winner rolled back and the run is gone (FK cascade)
-            raise _run_not_found(org, run_id)
+        if reread is None:
+            if expected is not None and not owned:
+                raise _not_the_runs(expected, fence, sheet)
+            raise _run_not_found(org, run_id)  # the winner rolled back, the run is gone
         version = reread[0]
     if expected is not None and expected != version:
-        if inserted is not None:
-            detail = (
-                f"run {run_id} had no write intent on sheet {sheet!r} yet, so write_version "
-                f"{expected} was never admitted for it"
-            )
-        else:
-            detail = (
-                f"write_version {expected} disagrees with write intent {version} admitted "
-                f"for run {run_id} on sheet {sheet!r}"
-            )
         raise WriteVersionMismatch(
-            f"{detail}; nothing was written",
+            f"write_version {expected} disagrees with write intent {version} admitted for "
+            f"run {run_id} on sheet {sheet!r}; nothing was written",
             field="write_version",
             rule="must equal the run's admitted write intent on the sheet",
             fix="omit write_version (the stored intent is reused) or pass the "
@@ -434,19 +502,48 @@ async def complete_rows(
 ) -> CompletionResult:
     """Write a page of terminal row outputs, fenced by the attempt and the write version.
 
-    One statement. When the attempt fence no longer holds nothing is written: every row
-    comes back stale as ``stale_attempt`` and :class:`SheetSuperseded` is raised whatever
-    ``raise_on_superseded`` says (such an attempt must stop). Otherwise only rows that are
-    pending under ``write_version`` are written (an unversioned writer,
-    ``write_version=None``, may write pending rows of its own run). A row already finished
-    under the same version with the same status and output is an idempotent replay and
-    counts as committed. Everything else is stale, with a reason, reported without
-    raising; with ``raise_on_superseded`` any non-benign stale row raises
-    :class:`SheetSuperseded` after the statement (rows it committed stay committed).
+    :func:`complete_page`, then: when the attempt fence refused the page (the result's
+    ``supersededKeys``), :class:`SheetSuperseded` is raised whatever
+    ``raise_on_superseded`` says (such an attempt must stop); with ``raise_on_superseded``
+    any non-benign stale row raises it too (rows the page committed stay committed).
+    """
+    result = await complete_page(
+        conn,
+        org=org,
+        sheet=sheet,
+        fence=fence,
+        write_version=write_version,
+        completions=completions,
+    )
+    sheet = sheet_name(sheet)
+    result.raise_if_stopped(sheet=sheet, run_id=fence.run_id)
+    if raise_on_superseded:
+        result.raise_if_superseded(sheet=sheet, run_id=fence.run_id)
+    return result
+
+
+async def complete_page(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    org: str,
+    sheet: str,
+    fence: Fence,
+    write_version: int | None,
+    completions: Sequence[RowCompletion],
+) -> CompletionResult:
+    """A receiver's completion of a page: one statement, reported, never raised.
+
+    When the attempt fence no longer holds nothing is written: every row comes back stale
+    as ``newer_write_version`` (a newer attempt owns the run's rows), the result carries
+    ``fence=stale_attempt`` and lists every row in ``superseded_keys``, the stop signal.
+    Otherwise only rows that are pending under ``write_version`` are written (an
+    unversioned writer, ``write_version=None``, may write pending rows of its own run). A
+    row already finished under the same version with the same status and output is an
+    idempotent replay and counts as committed. Everything else is stale, with a reason.
     """
     run_id = fence.run_id
-    _check_name("org", org)
-    _check_name("sheet", sheet)
+    fields.org(org)
+    sheet = sheet_name(sheet)
     keys = _check_keys([c.key for c in completions], "completions")
     statuses: list[str] = []
     for index, completion in enumerate(completions):
@@ -463,6 +560,7 @@ async def complete_rows(
     committed: list[str] = []
     replayed: list[str] = []
     stale: list[StaleRow] = []
+    refused_by_fence = False
     if keys:
         async with _storable("outputs", "completions"):
             cur = await conn.execute(
@@ -482,7 +580,10 @@ async def complete_rows(
         for key in keys:
             fenced, written, found, row_run, row_version, status, same_result = by_key[key]
             if not fenced:
-                stale.append(StaleRow(key, StaleReason.STALE_ATTEMPT, None))
+                # Said the reference's way: a newer owner has the row (a newer attempt of
+                # the run, under its intent); the fence's reason goes in its own field.
+                refused_by_fence = True
+                stale.append(StaleRow(key, StaleReason.NEWER_WRITE_VERSION, None))
                 continue
             if written:
                 committed.append(key)
@@ -503,15 +604,14 @@ async def complete_rows(
                 reason = StaleReason.ALREADY_TERMINAL
             stale.append(StaleRow(key, reason, row_version))
 
-    result = CompletionResult(
+    return CompletionResult(
         write_version=write_version,
         committed=tuple(committed),
         replayed=tuple(replayed),
         stale=tuple(stale),
+        superseded_keys=tuple(keys) if refused_by_fence else (),
+        fence=FenceReason.STALE_ATTEMPT if refused_by_fence else None,
     )
-    if raise_on_superseded or result.attempt_stale:
-        raise_if_superseded(result, sheet=sheet, run_id=run_id, submitted=len(keys))
-    return result
 
 
 def _stale_reason(
@@ -524,24 +624,34 @@ def _stale_reason(
     write_version: int | None,
 ) -> StaleReason | None:
     """The reason an unwritten row is stale; None for a terminal row of the writer's own
-    version (a replay when the result matches, else benign ``already_terminal``)."""
+    version (a replay when the result matches, else benign ``already_terminal``). Never
+    ``unreported``, the reason a client gives a receiver that named none."""
     if not found:
         return StaleReason.OLDER_WRITE_VERSION  # nothing this writer admitted
     if write_version is None:  # unversioned: fenced by run ownership alone
         if terminal:
             return StaleReason.ALREADY_TERMINAL
-        if row_run != run_id:
-            return StaleReason.NEWER_WRITE_VERSION  # another admission owns the row
-        return StaleReason.UNREPORTED  # pending and ours cannot be unwritten under the lock
+        _never_unwritten(row_run == run_id, "an unversioned writer's pending row")
+        return StaleReason.NEWER_WRITE_VERSION  # another admission owns the row
     if row_version is None or row_version < write_version:
         return StaleReason.OLDER_WRITE_VERSION
     if row_version > write_version:
         return StaleReason.NEWER_WRITE_VERSION
     if row_run != run_id:
         return StaleReason.OLDER_WRITE_VERSION  # its version, another run's row
-    if terminal:
-        return None
-    return StaleReason.UNREPORTED  # pending under our version cannot be unwritten under the lock
+    _never_unwritten(not terminal, "a pending row under the writer's version")
+    return None
+
+
+def _never_unwritten(happened: bool, what: str) -> None:
+    """The statement writes a pending row of the writer's own run and version under the
+    lock it holds, so none can come back unwritten; one that did is a defect to surface,
+    never a stale row to report."""
+    if happened:
+        raise WorkerError(
+            f"sheet_complete_rows left {what} unwritten under its lock",
+            fix="report this defect; the page was not completed and may be sent again",
+        )
 
 
 def raise_if_superseded(
@@ -552,36 +662,28 @@ def raise_if_superseded(
     Usable on a result parsed from a receiver (:meth:`CompletionResult.from_wire`), where
     ``unreported`` rows count as superseded.
     """
-    superseded = result.superseded
-    if not superseded:
-        return
-    counts = dict(sorted(Counter(row.reason.value for row in superseded).items()))
-    reasons = ", ".join(f"{reason}={count}" for reason, count in counts.items())
-    samples = superseded[:SUPERSEDED_SAMPLE_SIZE]
-    shown = "; ".join(f"{row.key} (row version {_or_none(row.current_version)})" for row in samples)
-    version = _or_none(result.write_version)
-    owner = (
-        "its attempt no longer owns the run (a newer attempt, a rescue or a cancel took it)"
-        if result.attempt_stale
-        else "another admission owns those rows"
-    )
+    if result.superseded:
+        _raise_superseded(
+            result, result.superseded, sheet=sheet, run_id=run_id, submitted=submitted
+        )
+
+
+def _raise_superseded(
+    result: CompletionResult,
+    rows: Sequence[StaleRow],
+    *,
+    sheet: str,
+    run_id: UUID | str,
+    submitted: int,
+) -> None:
     raise SheetSuperseded(
-        f"sheet {sheet!r} refused {len(superseded)} of {submitted} row completion(s) from "
-        f"run {run_id} at write version {version}: {owner} ({reasons}). This attempt is "
-        f"superseded and must stop; nothing it writes to the sheet can be accepted any "
-        f"more. Sample rows: {shown}.",
-        fix="stop the attempt; the attempt or admission that owns the rows will finish them",
         sheet=sheet,
         run_id=str(run_id),
         write_version=result.write_version,
         submitted=submitted,
-        counts=counts,
-        samples=tuple((row.key, row.reason.value, row.current_version) for row in samples),
+        superseded_rows=[(row.key, row.reason.value, row.current_version) for row in rows],
+        fence_reason=None if result.fence is None else result.fence.value,
     )
-
-
-def _or_none(value: int | None) -> str:
-    return "none" if value is None else str(value)
 
 
 # ---- progress --------------------------------------------------------------------------
@@ -615,11 +717,21 @@ async def _storable(what: str, field: str) -> AsyncIterator[None]:
         ) from exc
 
 
-def _check_name(field: str, value: object) -> None:
-    if field == "org":
-        fields.org(value)
-    else:
-        fields.text(value, field=field, max_len=fields.MAX_SHEET_NAME, fix=f"pass the {field} name")
+def sheet_name(value: object, field: str = "sheet") -> str:
+    """A sheet's name as it is stored and matched: the caller's, without surrounding
+    whitespace and in lower case (as the reference runtime normalises a table namespace),
+    so ``"Leads"`` and ``" leads"`` are one sheet, with one write intent per run."""
+    fields.text(value, field=field, max_len=fields.MAX_SHEET_NAME, fix="pass the sheet's name")
+    assert isinstance(value, str)
+    name = value.strip().lower()
+    if not name:
+        raise InvalidField(
+            f"{field} is only whitespace",
+            field=field,
+            rule="a sheet name with at least one character that is not whitespace",
+            fix="pass the sheet's name",
+        )
+    return name
 
 
 def _check_keys(keys: Sequence[object], field: str) -> list[str]:

@@ -11,7 +11,8 @@ Everything an application needs is importable from here::
   own transaction too);
 - :class:`InputPages` and :class:`Release`: a run's input rows and a checked release name;
 - :class:`Sheet` and its values (:class:`RowCompletion`, :class:`AdmitResult`,
-  :class:`Disposition`, :class:`CompletionResult`, :class:`StaleReason`): a play's rows;
+  :class:`Disposition`, :class:`CompletionResult`, :class:`StaleReason`,
+  :class:`FenceReason`): a play's rows;
 - :class:`Fatal`: raised by a play, it fails the run at once;
 - the errors (:class:`WorkerError` and the classes below it) and :class:`ExitCode`.
 
@@ -43,6 +44,7 @@ _EXPORTS = {
     "RowCompletion": "queues.sheets",
     "Disposition": "queues.sheets",
     "StaleReason": "queues.sheets",
+    "FenceReason": "queues.sheets",
     "AdmitResult": "queues.sheets",
     "CompletionResult": "queues.sheets",
     "SheetSuperseded": "queues.errors",
@@ -73,6 +75,7 @@ __all__ = [
     "Disposition",
     "ExitCode",
     "Fatal",
+    "FenceReason",
     "IdempotencyConflict",
     "InputError",
     "InputPages",
@@ -127,6 +130,7 @@ if TYPE_CHECKING:
         AdmitResult,
         CompletionResult,
         Disposition,
+        FenceReason,
         RowCompletion,
         StaleReason,
     )

@@ -33,8 +33,8 @@ from queues.authority import AttemptTokens
 from queues.errors import FenceError, WorkerError
 from queues.outcomes import Finish
 from worker import instruments
+from worker.blips import is_blip
 from worker.context import RunContext, Suspend
-from worker.contract import is_blip
 from worker.plays import Fatal, Play
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@
 - :class:`LocalTransport` (in-process plays): calls :func:`queues.operations.dispatch` on a
   pooled connection with the attempt's claims, the same receiver the gateway serves. With
   ``hold``, the attempt keeps the connection it took between its calls (see the class).
-- :class:`Absorbing` wraps either: a call that lost its connection (:func:`is_blip`) is
+- :class:`Absorbing` wraps either: a call that lost its connection
+  (:func:`worker.blips.is_blip`) is
   sent again, with capped backoff, while the outage lasts less than ``max_outage_s``, when
   its action is repeatable (:attr:`queues.operations.Action.repeatable`). A play's ``ctx``
   calls just take longer through a database restart or a terminated backend.
@@ -24,23 +25,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
-import psycopg
 import structlog
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
 from queues import errors, operations
 from queues.authority import Claims
-from queues.errors import DatabaseUnreachable, InvalidField, WriteIntentUnavailable
+from queues.errors import InvalidField, WriteIntentUnavailable
+from worker.blips import is_blip
 
 log = structlog.get_logger("worker.contract")
 
-# SQLSTATEs of a lost or refused connection and of a transaction the server rolled back:
-# class 08 (connection exception), class 40 (serialization failure, deadlock), and the
-# shutdown codes of class 57P (administrator command, crash, not accepting connections
-# yet). A statement timeout (57014) or a lock timeout (55P03) is not one: sending the
-# same statement again would meet the same wait.
-_BLIP_CLASSES = ("08", "40")
-_BLIP_STATES = frozenset({"57P01", "57P02", "57P03"})
 ABSORB_FIRST_DELAY_S = 0.05
 ABSORB_MAX_DELAY_S = 1.0
 
@@ -65,19 +59,6 @@ def _body(action: str, payload: dict[str, Any], key: str | None, owner: str) -> 
         body["idempotencyKey"] = key
         body["deliveryLeaseOwner"] = owner
     return body
-
-
-def is_blip(exc: BaseException) -> bool:
-    """Whether a call failed because its connection went away, not because it was refused:
-    a connection lost with no answer (psycopg's client-side errors carry no SQLSTATE), one
-    of the SQLSTATEs above, a pool with no connection to give, a gateway that answered
-    ``DATABASE_UNREACHABLE``, or a gateway that could not be reached or did not answer."""
-    if isinstance(exc, PoolTimeout | DatabaseUnreachable | httpx.TransportError):
-        return True
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate
-        return state is None or state[:2] in _BLIP_CLASSES or state in _BLIP_STATES
-    return False
 
 
 class Absorbing:

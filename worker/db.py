@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -57,13 +58,14 @@ def connect_kwargs(
 ) -> dict[str, Any]:
     """The keyword arguments of every connection to ``url`` (psycopg's and libpq's).
 
-    ``mode`` None: the process's ``WORKER_POOL_MODE``. A setting the URL gives wins.
+    ``mode`` None: the process's ``WORKER_POOL_MODE``. A setting the URL gives wins, and
+    so does an application name the environment gives libpq (``PGAPPNAME``).
     """
     given = conninfo_to_dict(url)
     kwargs: dict[str, Any] = {k: v for k, v in TCP_SETTINGS.items() if k not in given}
     if "connect_timeout" not in given:
         kwargs["connect_timeout"] = CONNECT_TIMEOUT_S
-    if application and "application_name" not in given:
+    if application and "application_name" not in given and not os.environ.get("PGAPPNAME"):
         kwargs["application_name"] = application[:APPLICATION_NAME_MAX]
     if (mode or pool_mode()) is PoolMode.TRANSACTION:
         kwargs["prepare_threshold"] = None  # no server-side prepared statements

@@ -46,7 +46,7 @@ async def enrich(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     delay = float(params.get("page_delay_s") or 0)
     counts = {"rows": 0, "enriched": 0, "replayed": 0, "already_terminal": 0}
     async for page in ctx.input_pages():
-        admission = await sheet.admit(page)
+        admission = await sheet.admit(page, stable_intent=True)
         open_keys = (
             set(admission.keys(sheets.Disposition.ADMITTED))
             | set(admission.keys(sheets.Disposition.READMITTED))

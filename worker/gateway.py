@@ -43,7 +43,8 @@ from starlette.routing import Route
 from queues import authority, operations
 from queues.errors import InvalidField, WorkerError, translate
 from worker import serving
-from worker.contract import PoolCheck, gateway_socket, is_blip
+from worker.blips import is_blip
+from worker.contract import PoolCheck, gateway_socket
 
 log = structlog.get_logger("worker.gateway")
 

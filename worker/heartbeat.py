@@ -17,6 +17,7 @@ and ``event_loop_unblocked`` with the total once it answers again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -76,6 +77,7 @@ class Heartbeat:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="wq-heartbeat", daemon=True)
         self._own_loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None  # the thread's one task (_run)
         self._wakeup: asyncio.Event | None = None
         self._ping_sent: float | None = None  # an unanswered ping to the main loop
         self._blocked_since: float | None = None
@@ -97,10 +99,13 @@ class Heartbeat:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread: a round under way is cancelled (in an outage it may be waiting
+        for a connect or a statement for seconds, and a stop must not)."""
         self._stopping.set()
-        own, wakeup = self._own_loop, self._wakeup
-        if own is not None and wakeup is not None:
-            own.call_soon_threadsafe(wakeup.set)
+        own, task = self._own_loop, self._task
+        if own is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has closed: the thread ended
+                own.call_soon_threadsafe(task.cancel)
         self._thread.join(timeout)
 
     def _pong(self, sent: float) -> None:
@@ -119,10 +124,14 @@ class Heartbeat:
     # ---- the thread ---------------------------------------------------------------------
 
     def _main(self) -> None:
-        asyncio.run(self._run())
+        with contextlib.suppress(asyncio.CancelledError):  # stopped (see stop)
+            asyncio.run(self._run())
 
     async def _run(self) -> None:
+        self._task = asyncio.current_task()
         self._own_loop = asyncio.get_running_loop()
+        if self._stopping.is_set():
+            return  # stopped before it began
         self._wakeup = asyncio.Event()
         conn: psycopg.AsyncConnection[Any] | None = None
         last_ok = self._last_ok = time.monotonic()

@@ -19,7 +19,10 @@ The loop (:func:`project_forever`), on a connection of its own, LISTENs on ``wq_
 (a statement that wrote outbox rows NOTIFYs it: an HTTP sink is enabled, migration 0033;
 it listened to every ledger append before, and ran a pass for each) and polls every
 ``poll_s`` as well (a lost notification, a retry coming due), outlives database outages
-(reconnecting with backoff) and never ends before its stop event. Inside a worker it only
+(reconnecting with backoff; a failover is one: every new connection of a multi-host URL
+finds the new primary) and never ends before its stop event. Given the process's
+:class:`worker.outage.Downtime`, it counts its lost connections and its passes in the
+process's outage, whose owner ends the process past its ``--max-outage``. Inside a worker it only
 polls (``listen=False``): with HTTP sinks enabled, every append would notify every worker
 host, and ``bench.scale`` shows the CPU per run those notifications cost at many hosts;
 a delivery then waits up to ``poll_s``. Behind a transaction-mode pooler
@@ -50,7 +53,9 @@ import structlog
 from queues import ledger
 from queues.errors import InvalidField
 from worker import db
+from worker.blips import is_blip
 from worker.config import PoolMode
+from worker.outage import Downtime
 
 log = structlog.get_logger("worker.projector")
 
@@ -193,6 +198,7 @@ async def project_forever(
     poll_s: float = POLL_S,
     listen: bool = True,
     mode: PoolMode | None = None,
+    downtime: Downtime | None = None,
 ) -> int:
     """Deliver the outbox until ``stop`` is set; returns the deliveries made.
 
@@ -216,6 +222,7 @@ async def project_forever(
             executor=executor,
             listen=listen,
             mode=mode,
+            downtime=downtime,
         )
     finally:
         # A delivery still in flight ends at its timeout; its lease lapses and another
@@ -237,6 +244,7 @@ async def _loop(
     executor: ThreadPoolExecutor,
     listen: bool,
     mode: PoolMode | None,
+    downtime: Downtime | None,
 ) -> int:
     delivered = 0
     delay = 0.1
@@ -259,6 +267,8 @@ async def _loop(
                         executor=executor,
                     )
                     delivered += report.delivered
+                    if downtime is not None:
+                        downtime.ok()
                     if report.leased < batch:
                         if listen:
                             await _wait(conn, stop, poll_s)
@@ -269,6 +279,8 @@ async def _loop(
             raise
         except Exception as exc:  # the database went away, or a bug: never fatal here
             log.warning("projector_failed", owner=owner, error=repr(exc)[:300])
+            if downtime is not None and is_blip(exc):
+                downtime.failed("projector", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
             delay = min(delay * 2, MAX_BACKOFF_S)
@@ -282,10 +294,13 @@ def start(
     owner: str | None = None,
     listen: bool = True,
     mode: PoolMode | None = None,
+    downtime: Downtime | None = None,
 ) -> asyncio.Task[int]:
-    """:func:`project_forever` as a task, next to a worker's or a recoverer's loops."""
+    """:func:`project_forever` as a task, next to a worker's or a recoverer's loops (their
+    process's ``downtime``)."""
     return asyncio.create_task(
-        project_forever(url, stop, owner=owner, listen=listen, mode=mode), name="projector"
+        project_forever(url, stop, owner=owner, listen=listen, mode=mode, downtime=downtime),
+        name="projector",
     )
 
 

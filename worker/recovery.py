@@ -28,9 +28,11 @@ import psycopg
 import structlog
 
 from queues import migrations, recovery, transport
-from queues.errors import DatabaseUnreachable
+from queues.errors import DatabaseLost, DatabaseUnreachable
 from worker import connections, db
+from worker.blips import is_blip
 from worker.config import PoolMode
+from worker.outage import MAX_OUTAGE_S, Downtime, Outage
 
 log = structlog.get_logger("worker.recovery")
 
@@ -38,6 +40,7 @@ MAINTENANCE_QUEUE = transport.MAINTENANCE_QUEUE
 PERIODIC_ID = transport.RECOVERY_PERIODIC_ID
 TASK_NAME = transport.RECOVERY_TASK
 JITTER = 0.1  # each interval is every_s * (1 +- JITTER), so hosts drift apart
+POOL_TIMEOUT_S = 5.0  # the maintenance worker's wait for its one pooled connection
 
 
 def jittered(every_s: float, *, rng: random.Random | None = None) -> float:
@@ -97,21 +100,29 @@ async def recover_forever(
     event_retention_s: float = recovery.DEFAULT_EVENT_RETENTION_S,
     on_pass: Callable[[recovery.RecoveryReport], None] | None = None,
     rng: random.Random | None = None,
+    max_outage_s: float = MAX_OUTAGE_S,
+    downtime: Downtime | None = None,
 ) -> int:
     """Run passes every ``every_s`` (with jitter) until ``stop_event``; returns the passes.
 
-    A pass that filled a batch is followed at once by another. A database error is logged
-    and the connection replaced at the next pass; a schema mismatch is raised (loudly).
+    A pass that filled a batch is followed at once by another. A lost connection (a
+    restart, a failover) is an outage: the pass is tried again on a new connection,
+    backing off from 0.1 s to 2 s, as soon as the database answers, and an outage longer
+    than ``max_outage_s`` (or the process's ``downtime``, shared with its projector)
+    raises :class:`~queues.errors.DatabaseLost`. Another database error is logged and the
+    pass tried again at the next interval; a schema mismatch is raised (loudly).
     """
     passes = 0
     conn: psycopg.AsyncConnection[Any] | None = None
     loop = asyncio.get_running_loop()
+    outage = Outage("recovery", downtime, limit_s=max_outage_s, stop=stop_event)
     try:
         while not stop_event.is_set():
             delay = jittered(every_s, rng=rng)
             try:
                 if conn is None or conn.closed:
-                    conn = await db.connect(url, autocommit=True)
+                    async with outage.bounded():
+                        conn = await db.connect(url, autocommit=True)
                     await migrations.verify_contract(conn)
                 started = loop.time()
                 report = await recovery.run_once(
@@ -120,18 +131,23 @@ async def recover_forever(
                     stranded_after_s=stranded_after_s,
                     event_retention_s=event_retention_s,
                 )
+                outage.ok()
                 passes += 1
                 _log_pass(report, (loop.time() - started) * 1000)
                 if on_pass is not None:
                     on_pass(report)
                 if report.saturated:
                     delay = 0.0
+            except DatabaseLost:
+                raise
             except (psycopg.Error, DatabaseUnreachable) as exc:
-                # Postgres restarting, a killed backend: retry at the next pass.
-                log.warning("recovery_pass_failed", error=repr(exc), retry_in_s=round(delay, 1))
                 if conn is not None:
                     await conn.close()
                 conn = None
+                if is_blip(exc):
+                    await outage.failed(exc)  # then the pass again, on a new connection
+                    continue
+                log.warning("recovery_pass_failed", error=repr(exc), retry_in_s=round(delay, 1))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop_event.wait(), delay)
     finally:
@@ -144,7 +160,11 @@ async def recover_forever(
 
 
 def make_procrastinate_app(
-    url: str, *, mode: PoolMode | None = None, owner: str | None = None
+    url: str,
+    *,
+    mode: PoolMode | None = None,
+    owner: str | None = None,
+    pool_timeout_s: float = POOL_TIMEOUT_S,
 ) -> procrastinate.App:
     """A procrastinate app whose periodic task runs one recovery pass every minute.
 
@@ -155,12 +175,13 @@ def make_procrastinate_app(
     statements behind a transaction pooler).
     """
     # A short pool timeout: while the database is away the maintenance worker must fail
-    # fast (and be restarted by the worker's loop), never hold the worker's shutdown.
+    # fast (and be restarted by the worker's loop), never hold the worker's shutdown (its
+    # stop unregisters its worker: a worker passes a timeout within its grace).
     application = f"wq-maintenance {owner}" if owner else "wq-maintenance"
     app = procrastinate.App(
         connector=procrastinate.PsycopgConnector(
             conninfo=url,
-            timeout=5.0,
+            timeout=pool_timeout_s,
             min_size=connections.MAINTENANCE_POOL,
             max_size=connections.MAINTENANCE_POOL,
             kwargs=db.connect_kwargs(url, mode=mode, application=application),
@@ -178,7 +199,12 @@ def make_procrastinate_app(
 
 
 async def run_periodic_worker(
-    url: str, stop_event: asyncio.Event, *, mode: PoolMode | None = None, owner: str | None = None
+    url: str,
+    stop_event: asyncio.Event,
+    *,
+    mode: PoolMode | None = None,
+    owner: str | None = None,
+    pool_timeout_s: float = POOL_TIMEOUT_S,
 ) -> None:
     """Serve the ``wq-maintenance`` queue (and defer its periodic tick) until stopped.
 
@@ -186,7 +212,7 @@ async def run_periodic_worker(
     minute, and a LISTEN would need a session of its own (none through a transaction
     pooler), one more connection per worker.
     """
-    app = make_procrastinate_app(url, mode=mode, owner=owner)
+    app = make_procrastinate_app(url, mode=mode, owner=owner, pool_timeout_s=pool_timeout_s)
     async with app.open_async():
         task = asyncio.create_task(
             app.run_worker_async(

@@ -47,7 +47,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import authority, lanes, migrations, outcomes, runs, server, transport
 from queues import recovery as passes
-from queues.errors import DatabaseUnreachable, WorkerError
+from queues.errors import DatabaseLost, DatabaseUnreachable, WorkerError
 from queues.outcomes import Finish, FinishStatus
 from worker import (
     attempt,
@@ -67,6 +67,7 @@ from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import Absorbing, LocalTransport, PoolCheck
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
+from worker.outage import Downtime, Outage
 from worker.plays import Registry
 
 log = structlog.get_logger("worker.runtime")
@@ -121,47 +122,11 @@ class Settings:
     )
 
 
-class DatabaseLost(Exception):
-    """The database stayed unreachable past ``max_outage_s``: exit so a supervisor restarts."""
-
-
 TRANSIENT = (psycopg.OperationalError, PoolTimeout)
-
-
-class _Outage:
-    """How long the database has been failing, for one loop; backs off between tries."""
-
-    def __init__(self, name: str, limit_s: float) -> None:
-        self.name = name
-        self.limit_s = limit_s
-        self.since: float | None = None
-        self.delay = 0.1
-
-    def ok(self) -> None:
-        if self.since is not None:
-            log.info(
-                "database_reconnected",
-                loop=self.name,
-                outage_s=round(time.monotonic() - self.since, 2),
-            )
-        self.since = None
-        self.delay = 0.1
-
-    async def failed(self, exc: BaseException) -> None:
-        now = time.monotonic()
-        if self.since is None:
-            self.since = now
-        down = now - self.since
-        log.warning(
-            "database_unavailable",
-            loop=self.name,
-            error=str(exc).strip()[:300],
-            down_s=round(down, 2),
-        )
-        if down > self.limit_s:
-            raise DatabaseLost(f"database unreachable for {down:.0f}s ({self.name})") from exc
-        await asyncio.sleep(self.delay)
-        self.delay = min(self.delay * 2, 2.0)
+# After the grace, while the database answers: the hand-backs, the last final writes and
+# the worker's own stop record (they take milliseconds then; docs/deploy.md counts a
+# second). In an outage nothing waits for the database past the grace (Worker._drain).
+HANDBACK_S = 1.0
 
 
 @dataclass
@@ -242,6 +207,10 @@ class Worker:
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
         self._to_check: set[uuid.UUID] = set()  # runs control messages named, to look up
         self._checking: asyncio.Task[None] | None = None  # the lookup under way (_check_cancels)
+        self._grace_end = 0.0  # when a stop's grace ends (_drain)
+        # The worker's one account of a database outage, fed by its loops: past
+        # max_outage_s the worker stops at once (worker.outage).
+        self.downtime = Downtime(settings.max_outage_s, on_lost=self._database_lost)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -337,6 +306,17 @@ class Worker:
         ) as conn:
             await server.require_supported(conn)
             await migrations.verify_contract(conn)
+            commits = await server.synchronous_commit(conn)
+            if commits in server.UNDURABLE_COMMITS:
+                log.warning(
+                    "synchronous_commit_off",
+                    code="SYNCHRONOUS_COMMIT_OFF",
+                    synchronous_commit=commits,
+                    detail="the database acknowledges commits before they are durable: a "
+                    "crash or a failover loses the last acknowledged submits, step receipts "
+                    "and results, and runs may execute steps again; set synchronous_commit "
+                    "to on (docs/how-to/high-availability.md)",
+                )
             # The worker owns preparation: its lane is prepared before it reports ready.
             # Preparing never reopens a closed lane: the worker serves it all the same.
             for release in (self.s.release, *self.s.adopt):
@@ -383,6 +363,7 @@ class Worker:
                 owner=self.s.worker_id,
                 listen=False,  # polls: see worker.projector
                 mode=self.mode,
+                downtime=self.downtime,
             ),
         ]
         if listening:
@@ -409,7 +390,9 @@ class Worker:
         stop_wait = asyncio.create_task(self.stopping.wait())
         done, _ = await asyncio.wait([*tasks, stop_wait], return_when=asyncio.FIRST_COMPLETED)
         for task in done:
-            if task is not stop_wait and task.exception() is not None:
+            if task is stop_wait or isinstance(task.exception(), DatabaseLost):
+                continue  # a loop that met the outage's end: the worker stops for it
+            if task.exception() is not None:
                 log.error("worker_loop_crashed", loop=task.get_name(), error=repr(task.exception()))
                 exit_code = 1
         self.stopping.set()
@@ -419,15 +402,32 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*self._passing, return_exceptions=True)  # wakes being passed on
-        if self._checking is not None:
-            await asyncio.gather(self._checking, return_exceptions=True)
+        # Wakes being passed on and a cancel lookup: within the stop's bound, then dropped.
+        pending = [*self._passing, *([self._checking] if self._checking is not None else [])]
+        await _settle(pending, self._stop_left())
         assert self.pool is not None
-        with contextlib.suppress(psycopg.Error, PoolTimeout):
-            async with self.pool.connection() as conn:
-                await runs.worker_stopped(conn, self.s.worker_id)
+        left = self._stop_left()
+        if left > 0:
+            with contextlib.suppress(psycopg.Error, PoolTimeout, TimeoutError):
+                async with asyncio.timeout(left), self.pool.connection(timeout=left) as conn:
+                    await runs.worker_stopped(conn, self.s.worker_id)
         log.info("worker_stopped", **self.stats)
+        if self.downtime.lost is not None:
+            raise self.downtime.lost
         return exit_code
+
+    def _database_lost(self, lost: DatabaseLost) -> None:
+        """The outage outlasted max_outage_s (worker.outage): stop now, without a grace (no
+        write of a running attempt would land), so a supervisor restarts the worker."""
+        log.error(
+            "worker_database_lost",
+            error=lost.message,
+            max_outage_s=self.s.max_outage_s,
+            running=len(self.live),
+        )
+        self.stopping.set()
+        self.wake.set()
+        self.capacity.set()
 
     def request_stop(self) -> None:
         """The signal handler: the first signal stops gracefully, a second exits at once."""
@@ -445,21 +445,31 @@ class Worker:
         self.capacity.set()  # a claim loop waiting for a slot sees the stop at once
 
     async def _drain(self) -> None:
-        """Let running attempts finish within the grace period, then hand the rest back."""
-        deadline = time.monotonic() + self.s.grace_s
+        """Let running attempts finish within the grace period, then hand the rest back.
+
+        Bounded, so a supervisor's stop window holds (docs/deploy.md): running attempts
+        get the grace (none once the database is lost: nothing they wrote would land);
+        the stop's own writes (the wake passed on, the hand-backs, the final writes) get
+        until the grace ends, and ``HANDBACK_S`` more while the database answers. In an
+        outage nothing waits for the database past the grace: what was not written is
+        left to the leases (the worker's end is seen by its peers, and each lease lapses
+        at the latest), and those runs are retried without spending a retry."""
+        lost = self.downtime.lost is not None
+        self._grace_end = time.monotonic() + (0.0 if lost else self.s.grace_s)
         if self._claiming is not None and not self._claiming.done():
             # A claim under way when the stop came lands in the local queue: let it land,
             # then hand back everything claimed ahead.
-            await asyncio.wait([self._claiming], timeout=self.s.max_outage_s + 5)
+            await asyncio.wait([self._claiming], timeout=self._stop_left())
         # And so does one the LISTEN loop made for a wake (no claim starts now), within
         # the same bound.
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.s.max_outage_s + 5), self._claim_lock:
+            async with asyncio.timeout(self._stop_left()), self._claim_lock:
                 pass
         # Out of the set of waiting workers: spawns wake the others from now on.
-        await self._pass_on(leaving=True)
-        await self._hand_back_ahead()
-        while self.live and time.monotonic() < deadline:
+        await _settle([asyncio.ensure_future(self._pass_on(leaving=True))], self._stop_left())
+        ahead, self.ahead = list(self.ahead), deque()
+        await _settle(self._hand_back(ahead, "claimed_ahead_handed_back"), self._stop_left())
+        while self.live and time.monotonic() < self._grace_end:
             await asyncio.sleep(0.05)
         for live in list(self.live.values()):
             if not live.finishing and live.stop_reason is None:
@@ -467,17 +477,31 @@ class Worker:
                 live.task.cancel()
         tasks = [live.task for live in self.live.values()]
         if tasks:
-            # Hand-backs and final writes need the database; do not wait past the outage
-            # limit for them (the leases lapse and recovery takes over).
-            _, pending = await asyncio.wait(tasks, timeout=self.s.max_outage_s + 5)
+            # Hand-backs and final writes need the database: within the stop's bound (the
+            # leases lapse and recovery takes over for what was not written).
+            _, pending = await asyncio.wait(tasks, timeout=self._stop_left())
             if pending:
-                log.error("shutdown_abandoned_attempts", count=len(pending))
+                log.error(
+                    "shutdown_abandoned_attempts",
+                    count=len(pending),
+                    detail="their final writes did not land; their leases lapse and their "
+                    "runs are retried without spending a retry",
+                )
+                for task in pending:
+                    task.cancel()
+                await asyncio.wait(pending, timeout=1.0)
         # Whatever way an attempt ended, its held connection is back before the pool closes.
         for held in list(self.transports):
             with contextlib.suppress(Exception):
                 await held.aclose()
         self.transports.clear()
-        await self._flush()
+        await _settle([asyncio.ensure_future(self._flush())], self._stop_left())
+
+    def _stop_left(self) -> float:
+        """Seconds the stop may still wait for the database: until the grace ends, plus
+        HANDBACK_S unless an outage is under way."""
+        end = self._grace_end + (0.0 if self.downtime.failing else HANDBACK_S)
+        return max(0.0, end - time.monotonic())
 
     # ---- loops --------------------------------------------------------------------------
 
@@ -487,7 +511,7 @@ class Worker:
         wake that comes while the claim loop waits for work is claimed here
         (:meth:`_claim_woken`)."""
         assert self.listen_url is not None
-        outage = _Outage("listen", self.s.max_outage_s)
+        outage = Outage("listen", self.downtime)
         while True:
             try:
                 async with db.session(
@@ -560,8 +584,12 @@ class Worker:
             try:
                 async with self.pool.connection() as conn:
                     rescued = await passes.rescue_gone(conn)
-            except TRANSIENT:
-                continue  # the claim and finish loops account for outages
+            except TRANSIENT as exc:
+                # Counted in the outage (a worker whose slots are all busy claims nothing,
+                # and without a LISTEN session this loop may be the first to notice).
+                self.downtime.failed("peers", exc)
+                continue
+            self.downtime.ok()
             for r in rescued:
                 log.warning(
                     "lease_rescued_owner_gone",
@@ -578,7 +606,13 @@ class Worker:
         while not self.stopping.is_set():
             try:
                 await recovery.run_periodic_worker(
-                    self.s.url, self.stopping, mode=self.mode, owner=self.s.worker_id
+                    self.s.url,
+                    self.stopping,
+                    mode=self.mode,
+                    owner=self.s.worker_id,
+                    # Its stop (procrastinate unregisters its worker) waits for a pooled
+                    # connection at most this long: within the grace, in an outage too.
+                    pool_timeout_s=min(recovery.POOL_TIMEOUT_S, max(0.5, self.s.grace_s / 2)),
                 )
             except Exception as exc:  # a maintenance failure must not stop execution
                 log.warning("maintenance_failed", error=repr(exc)[:300])
@@ -650,7 +684,7 @@ class Worker:
     async def _claim_loop(self) -> None:
         assert self.pool is not None and self.s.concurrency is not None
         self._plays = sorted(self.s.registry.names())
-        outage = _Outage("claim", self.s.max_outage_s)
+        outage = Outage("claim", self.downtime)
         while not self.stopping.is_set():
             want = self._claim_room()
             if want <= 0:
@@ -817,14 +851,6 @@ class Worker:
         as large as its local queue.)"""
         assert self.s.concurrency is not None
         return len(self.live) - min(self.returned, self.s.concurrency + self._prefetch())
-
-    async def _hand_back_ahead(self) -> None:
-        """Runs claimed ahead and never started go back to their lanes at once, in one
-        batched fenced write (a hand-back spends no retry)."""
-        ahead, self.ahead = list(self.ahead), deque()
-        await asyncio.gather(
-            *self._hand_back(ahead, "claimed_ahead_handed_back"), return_exceptions=True
-        )
 
     def _hand_back(
         self, ahead: list[runs.Claimed], event: str
@@ -1092,7 +1118,7 @@ class Worker:
         if not batch:
             return
         assert self.pool is not None
-        outage = _Outage("finish", self.s.max_outage_s)
+        outage = Outage("finish", self.downtime)
         while True:
             try:
                 async with self.pool.connection() as conn:
@@ -1174,11 +1200,31 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+async def _settle(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
+    """Wait for ``futures`` at most ``timeout`` seconds; cancel those still pending (the
+    stop does not wait for them: worker.Worker._drain), and mark every outcome seen."""
+    futures = list(futures)
+    if not futures:
+        return
+    pending = {f for f in futures if not f.done()}
+    if pending and timeout > 0:
+        _, pending = await asyncio.wait(pending, timeout=timeout)
+    for future in pending:
+        future.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=1.0)
+    for future in futures:
+        if future.done():
+            _retrieved(future)
+
+
 async def serve(settings: Settings) -> int:
+    """Run a worker until it stops; its exit code. An outage past ``max_outage_s`` raises
+    :class:`~queues.errors.DatabaseLost` (exit 6) once the worker has stopped."""
     try:
         return await Worker(settings).run()
     except WorkerError:
         raise
-    except (*TRANSIENT, DatabaseLost) as exc:
+    except TRANSIENT as exc:
         log.error("worker_database_lost", error=str(exc))
         return 1

@@ -67,8 +67,9 @@ from queues import fields, outcomes, runs
 from queues.authority import AttemptTokens
 from queues.errors import FenceError, SandboxUnavailable
 from worker import instruments
+from worker.blips import is_blip
 from worker.context import RunContext, RunInfo, Suspend
-from worker.contract import Absorbing, GatewayTransport, gateway_socket, is_blip
+from worker.contract import Absorbing, GatewayTransport, gateway_socket
 from worker.plays import Fatal, Play, Resources, load_registry
 
 log = structlog.get_logger("worker.sandbox")

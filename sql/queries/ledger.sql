@@ -44,10 +44,10 @@ SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
  WHERE run_id = %(run_id)s AND idempotency_key = %(key)s;
 
 -- name: outbox_lease :many
--- Lease up to N due deliveries of enabled sinks for one owner until now + lease_s; each lease counts as an attempt. Per sink, an ordered walk of
--- wq_outbox_due_idx that stops after N rows (a disabled sink's backlog is never scanned);
--- then the N most due, taken in turns across sinks, so one sink's backlog never crowds out
--- another's. SKIP LOCKED keeps projectors off each other's rows; a row leased by another
+-- Lease up to N due deliveries of enabled sinks for one owner until now + lease_s; each
+-- lease counts as an attempt. Per sink, an ordered walk of wq_outbox_due_idx that stops
+-- after N rows (a disabled sink's backlog is never scanned); then the N most due, taken in
+-- turns across sinks, so one sink's backlog never crowds out another's. SKIP LOCKED keeps projectors off each other's rows; a row leased by another
 -- projector is not due (next_attempt_at = its lease expiry) until that lease lapses.
 WITH picked AS (
     SELECT o.id,

@@ -23,8 +23,11 @@
 
 -- name: sheet_version_mint :one
 -- The legacy write version of this attempt on a sheet: minted on its first page, the same
--- one after; fenced. The run row lock (the fence) serializes an attempt's pages, so the
--- insert-if-absent cannot race another of its own.
+-- one after; fenced. A version the caller carries (write_version: saved from an earlier
+-- page or attempt) is reused as it is when it is one of the run's on the sheet (`owned`),
+-- and becomes the attempt's when its first page brings it; a foreign one mints nothing.
+-- The run row lock (the fence) serializes an attempt's pages, so the insert-if-absent
+-- cannot race another of its own. `owned` probes the run's few rows by primary key.
 WITH run AS (
     SELECT id, attempt, state, lease_owner, org
       FROM wq_runs
@@ -41,11 +44,21 @@ WITH run AS (
 ), existing AS (
     SELECT write_version FROM wq_attempt_versions
      WHERE run_id = %(run_id)s AND attempt = %(attempt)s AND sheet = %(sheet)s
+), owned AS (
+    SELECT 1 FROM wq_attempt_versions
+     WHERE run_id = %(run_id)s AND sheet = %(sheet)s
+       AND write_version = %(write_version)s::bigint
+    UNION ALL
+    SELECT 1 FROM wq_write_intents
+     WHERE run_id = %(run_id)s AND sheet = %(sheet)s
+       AND write_version = %(write_version)s::bigint
 ), minted AS (
     INSERT INTO wq_attempt_versions (run_id, attempt, sheet, write_version)
-    SELECT fence.id, %(attempt)s, %(sheet)s, nextval('wq_write_version_seq')
+    SELECT fence.id, %(attempt)s, %(sheet)s,
+           coalesce(%(write_version)s::bigint, nextval('wq_write_version_seq'))
       FROM fence
      WHERE NOT EXISTS (SELECT 1 FROM existing)
+       AND (%(write_version)s::bigint IS NULL OR EXISTS (SELECT 1 FROM owned))
     RETURNING write_version
 )
 SELECT EXISTS (SELECT 1 FROM fence) AS fenced,
@@ -53,13 +66,17 @@ SELECT EXISTS (SELECT 1 FROM fence) AS fenced,
        (SELECT state::text FROM run) AS run_state,
        (SELECT org FROM run) AS run_org,
        coalesce((SELECT write_version FROM minted),
-                (SELECT write_version FROM existing)) AS write_version;
+                (SELECT write_version FROM existing)) AS write_version,
+       EXISTS (SELECT 1 FROM owned) AS owned;
 
 -- name: sheet_intent_claim :one
--- Read the run's write intent on a sheet or insert one if absent; fenced. A NULL version
--- with the fence held means a lost race: a racing loser's ON CONFLICT DO NOTHING waits for
--- the winner's commit, but this statement's snapshot predates it, so the caller must
--- re-read in a new statement (sheet_intent_read), never use its own losing candidate.
+-- Read the run's write intent on a sheet or insert one if absent; fenced. The first intent
+-- is the caller's version when it carries one of the run's (legacy) versions on the sheet
+-- (`owned`), else a fresh one; a foreign version inserts nothing. A NULL version with the
+-- fence held means a lost race (or that foreign version): a racing loser's ON CONFLICT DO
+-- NOTHING waits for the winner's commit, but this statement's snapshot predates it, so the
+-- caller must re-read in a new statement (sheet_intent_read), never use its own losing
+-- candidate.
 WITH run AS (
     SELECT id, attempt, state, lease_owner, org
       FROM wq_runs
@@ -76,11 +93,17 @@ WITH run AS (
 ), existing AS (
     SELECT write_version FROM wq_write_intents
      WHERE run_id = %(run_id)s AND sheet = %(sheet)s
+), owned AS (
+    SELECT 1 FROM wq_attempt_versions
+     WHERE run_id = %(run_id)s AND sheet = %(sheet)s
+       AND write_version = %(write_version)s::bigint
 ), inserted AS (
     INSERT INTO wq_write_intents (run_id, org, sheet, write_version)
-    SELECT fence.id, %(org)s, %(sheet)s, nextval('wq_write_version_seq')
+    SELECT fence.id, %(org)s, %(sheet)s,
+           coalesce(%(write_version)s::bigint, nextval('wq_write_version_seq'))
       FROM fence
      WHERE NOT EXISTS (SELECT 1 FROM existing)
+       AND (%(write_version)s::bigint IS NULL OR EXISTS (SELECT 1 FROM owned))
     ON CONFLICT (run_id, sheet) DO NOTHING
     RETURNING write_version
 )
@@ -89,7 +112,8 @@ SELECT EXISTS (SELECT 1 FROM fence) AS fenced,
        (SELECT state::text FROM run) AS run_state,
        (SELECT org FROM run) AS run_org,
        (SELECT write_version FROM inserted) AS inserted_version,
-       (SELECT write_version FROM existing) AS existing_version;
+       (SELECT write_version FROM existing) AS existing_version,
+       EXISTS (SELECT 1 FROM owned) AS owned;
 
 -- name: sheet_intent_read :one
 -- Re-read the winning write intent after a lost insert-if-absent race (a new snapshot).
@@ -98,10 +122,11 @@ FROM wq_write_intents
 WHERE run_id = %(run_id)s AND sheet = %(sheet)s AND org = %(org)s;
 
 -- name: sheet_admit_rows :many
--- Insert a page's new rows and re-admit its pending rows of older versions; count them;
--- fenced. Returns only the rows this statement wrote (inserted or re-admitted). Rows it
--- left alone (same version, newer version, terminal) are still locked by the ON CONFLICT
--- clause, so the caller classifies them with sheet_rows_state in a new statement.
+-- Insert a page's new rows and re-admit its pending rows of older versions (unless the
+-- page asks for no rerun admission, readmit_pending false); count them; fenced. Returns
+-- only the rows this statement wrote (inserted or re-admitted). Rows it left alone (same
+-- version, newer version, terminal) are still locked by the ON CONFLICT clause, so the
+-- caller classifies them with sheet_rows_state in a new statement.
 -- xmax = 0 marks a tuple this statement inserted (an ON CONFLICT update leaves it set).
 -- `prior` (the statement snapshot) only tells the counter whether a re-admitted row came
 -- from another run: a same-run re-stamp (a new attempt's legacy version) must not count a
@@ -145,6 +170,7 @@ WITH run AS (
             admitted_at = now()
         WHERE r.status = 'pending'
           AND (r.write_version IS NULL OR r.write_version < excluded.write_version)
+          AND %(readmit_pending)s::boolean
     RETURNING r.row_key, (r.xmax = 0) AS inserted
 ), counted AS (
     UPDATE wq_runs

@@ -166,7 +166,7 @@ async def _paid_chunk(
     complete_delay: float,
     hold: bool = False,
 ) -> None:
-    admission = await sheet.admit(rows)
+    admission = await sheet.admit(rows, stable_intent=True)
     open_keys = {
         r.key
         for r in admission.rows

@@ -43,7 +43,7 @@ async def busy(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
         total += await ctx.step(f"s{i}", step)
     sheet = ctx.sheet(f"rows-{ctx.run_id}")
     rows = [(f"k{i}", {"n": i}) for i in range(int(params.get("rows", 5)))]
-    await sheet.admit(rows)
+    await sheet.admit(rows, stable_intent=True)
     done = await sheet.complete([sheets.RowCompletion(key=k, output=v) for k, v in rows])
     await ctx.emit("busy-done", {"run": str(ctx.run_id)})
     return {"total": total, "committed": len(done.committed), "worker": ctx.info.worker_id}

@@ -25,7 +25,7 @@ async def sandboxed_sheet(ctx: RunContext, params: dict[str, Any]) -> dict[str, 
     sheet = ctx.sheet(str(params.get("sheet") or f"sandbox-{ctx.run_id}"))
     done = 0
     async for page in ctx.input_pages():
-        admitted = await sheet.admit(page)
+        admitted = await sheet.admit(page, stable_intent=True)
         open_keys = set(admitted.keys(sheets.Disposition.ADMITTED)) | set(
             admitted.keys(sheets.Disposition.ALREADY_CURRENT)
         )

@@ -235,7 +235,7 @@ async def zombie(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     n = int(params.get("rows", 5))
     sheet = ctx.sheet(str(params.get("sheet", "zombie")))
     rows = [(f"r{i:03d}", {"i": i}) for i in range(n)]
-    admission = await sheet.admit(rows)
+    admission = await sheet.admit(rows, stable_intent=True)
     open_keys = [
         r.key
         for r in admission.rows

@@ -181,8 +181,10 @@ async def test_rows_of_a_rescued_attempt_are_refused_as_stale_attempt(conn: Conn
             completions=completions,
         )
     error = raised.value
-    assert error.counts == {"stale_attempt": 2} and error.submitted == 2
-    assert [s[1] for s in error.samples] == ["stale_attempt", "stale_attempt"]
+    # The reference's fields say a newer owner has the rows; the fence says why, apart.
+    assert error.counts == {"newer_write_version": 2} and error.submitted == 2
+    assert error.fence_reason == "stale_attempt"
+    assert [row[0] for row in error.superseded_rows] == ["a", "b"]
     assert (
         await _count(
             conn,
@@ -224,7 +226,7 @@ async def test_a_stale_completion_raises_even_when_the_writer_asked_not_to(conn:
         conn, org=ORG, sheet="s", fence=old.fence, rows=[("a", {})], stable_intent=True
     )
     await attempts.supersede(conn, old)
-    with pytest.raises(SheetSuperseded, match="no longer owns the run"):
+    with pytest.raises(SheetSuperseded, match="must stop") as raised:
         await sheets.complete_rows(
             conn,
             org=ORG,
@@ -234,6 +236,7 @@ async def test_a_stale_completion_raises_even_when_the_writer_asked_not_to(conn:
             completions=[sheets.RowCompletion("a", 1)],
             raise_on_superseded=False,
         )
+    assert raised.value.fence_reason == "stale_attempt"
 
 
 # ---- the window between the rescue and the next claim ----------------------------------

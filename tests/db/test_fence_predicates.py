@@ -132,6 +132,7 @@ async def sheet_rows_direct(conn: Conn, live: Attempt, w: Writer) -> None:
             "write_version": 1,
             "keys": ["a"],
             "inputs": [Jsonb({})],
+            "readmit_pending": True,
             **w.fence.params(),
         },
     )

@@ -8,7 +8,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import authority, operations, sheets
+from queues import authority, errors, operations, sheets
 from queues.authority import LEDGER_PROJECT
 from queues.errors import (
     CapabilityScope,
@@ -130,9 +130,19 @@ async def test_refusals_in_order_and_nothing_written(conn: Conn) -> None:
     older = operations.SERVED_ACTIONS - {"runtime_sheet_start_with_intent"}
     with pytest.raises(OperationRefused, match="Unsupported action: runtime_sheet_start_with"):
         await operations.dispatch(conn, start(["a"]), claims, served=older)
-    with pytest.raises(InvalidField, match="'stableWriteIntent'") as unknown:
-        await operations.dispatch(conn, start(["a"], stableWriteIntent=True), claims)
-    assert unknown.value.field == "runtime_sheet_start_with_intent.input.stableWriteIntent"
+    with pytest.raises(InvalidField, match="did you mean 'stableWriteIntent'") as unknown:
+        await operations.dispatch(conn, start(["a"], stableWriteIntnet=True), claims)
+    assert unknown.value.field == "runtime_sheet_start_with_intent.input.stableWriteIntnet"
+    # The reference's admission options are defined, typed, and agree with the action.
+    for bad in ({"stableWriteIntent": "yes"}, {"pendingRerunAdmission": 1}):
+        with pytest.raises(InvalidField, match="true or false"):
+            await operations.dispatch(conn, start(["a"], **bad), claims)
+    with pytest.raises(InvalidField, match="send the page as runtime_sheet_start,") as disagree:
+        await operations.dispatch(conn, start(["a"], stableWriteIntent=False), claims)
+    assert disagree.value.field == "input.stableWriteIntent"
+    legacy = start(["a"], stableWriteIntent=True) | {"action": "runtime_sheet_start"}
+    with pytest.raises(InvalidField, match="as runtime_sheet_start_with_intent"):
+        await operations.dispatch(conn, legacy, claims)
     nested = start(["a"])
     nested["input"]["rows"][0]["priority"] = 1
     with pytest.raises(InvalidField, match="'priority'"):
@@ -147,26 +157,89 @@ async def test_refusals_in_order_and_nothing_written(conn: Conn) -> None:
     assert await cur.fetchone() == (0,)
 
 
-async def test_a_stale_attempts_completion_raises_through_dispatch(conn: Conn) -> None:
+async def test_a_stale_attempts_completion_answers_the_stop_signal_through_dispatch(
+    conn: Conn,
+) -> None:
     a = await attempts.start(conn)
     claims = authority.claims_of_attempt(a.claimed.descriptor, attempt=1, owner="w1")
-    started = await operations.dispatch(conn, start(["a"]), claims)
+    started = await operations.dispatch(conn, start(["a", "b"]), claims)
     assert isinstance(started, dict)
     await attempts.supersede(conn, a)
-    with pytest.raises(SheetSuperseded) as raised:
-        await operations.dispatch(
-            conn,
-            {
-                "action": "runtime_sheet_complete_map_rows",
-                "input": {
-                    "tableNamespace": "s",
-                    "writeVersion": started["writeVersion"],
-                    "rows": [{"key": "a", "output": 1}],
-                },
+    answer = await operations.dispatch(
+        conn,
+        {
+            "action": "runtime_sheet_complete_map_rows",
+            "input": {
+                "tableNamespace": "s",
+                "writeVersion": started["writeVersion"],
+                "rows": [{"key": "a", "output": 1}, {"key": "b", "output": 2}],
             },
-            claims,
-        )
-    assert raised.value.counts == {"stale_attempt": 1}
+        },
+        claims,
+    )
+    # The reference's fields: a newer owner has the rows, and supersededKeys says stop;
+    # the fence's own reason is a field of its own.
+    assert answer == {
+        "writeVersion": started["writeVersion"],
+        "committedKeys": [],
+        "replayedKeys": [],
+        "staleRows": [
+            {"key": "a", "reason": "newer_write_version", "rowVersionStamp": None},
+            {"key": "b", "reason": "newer_write_version", "rowVersionStamp": None},
+        ],
+        "supersededKeys": ["a", "b"],
+        "fenceReason": "stale_attempt",
+    }
+    result = CompletionResult.from_wire(answer)
+    assert result.attempt_stale
+    with pytest.raises(SheetSuperseded) as raised:
+        result.raise_if_stopped(sheet="s", run_id=claims.run_id)
+    assert raised.value.counts == {"newer_write_version": 2}
+    assert raised.value.fence_reason == "stale_attempt"
+    assert await attempts.refusals(conn, a.run_id) == [(1, "rows", 2)]
+
+
+def test_a_receivers_explicit_superseded_keys_stop_the_writer() -> None:
+    """A reference receiver's stop signal, without this project's fenceReason."""
+    result = CompletionResult.from_wire(
+        {
+            "committedKeys": ["a"],
+            "staleRows": [{"key": "b", "reason": "newer_write_version", "rowVersionStamp": 8}],
+            "supersededKeys": ["b", "c"],
+        }
+    )
+    assert result.superseded_keys == ("b", "c") and not result.attempt_stale
+    with pytest.raises(SheetSuperseded) as raised:
+        result.raise_if_stopped(sheet="s", run_id="r")
+    assert raised.value.superseded_rows == (
+        ("b", "newer_write_version", 8),
+        ("c", "unreported", None),
+    )
+    assert raised.value.fence_reason is None and "fenceReason" not in raised.value.as_dict()
+    # Without the signal a completion reports its stale rows and stops nothing.
+    CompletionResult.from_wire({"committedKeys": ["a"]}).raise_if_stopped(sheet="s", run_id="r")
+
+
+def test_an_older_receivers_code_is_read_as_the_superseded_error() -> None:
+    error = errors.from_wire(
+        {
+            "code": "SHEET_SUPERSEDED",
+            "message": "sheet 's' refused 1 of 1 row completion(s)",
+            "sheet": "s",
+            "run_id": "r",
+            "write_version": 4,
+            "submitted": 1,
+            "counts": {"stale_attempt": 1},
+            "samples": [["a", "stale_attempt", None]],
+        }
+    )
+    assert isinstance(error, SheetSuperseded)
+    assert error.code == "RUNTIME_SHEET_ATTEMPT_SUPERSEDED"
+    assert (error.sheet, error.run_id, error.write_version, error.submitted) == ("s", "r", 4, 1)
+    assert error.superseded_rows == (("a", "stale_attempt", None),)
+    wire = error.as_dict()
+    again = errors.from_wire(wire)
+    assert isinstance(again, SheetSuperseded) and again.as_dict() == wire
 
 
 def test_an_older_receivers_reasonless_stale_rows_parse_as_unreported() -> None:
@@ -196,4 +269,14 @@ def test_the_wire_form_round_trips() -> None:
     assert wire["staleRows"] == [
         {"key": "b", "reason": "newer_write_version", "rowVersionStamp": 9}
     ]
+    assert "supersededKeys" not in wire and "fenceReason" not in wire
     assert CompletionResult.from_wire(wire) == result
+    fenced = CompletionResult(
+        write_version=5,
+        committed=(),
+        replayed=(),
+        stale=(sheets.StaleRow("b", StaleReason.NEWER_WRITE_VERSION, None),),
+        superseded_keys=("b",),
+        fence=sheets.FenceReason.STALE_ATTEMPT,
+    )
+    assert CompletionResult.from_wire(fenced.to_wire()) == fenced

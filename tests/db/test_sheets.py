@@ -127,13 +127,34 @@ async def test_legacy_admission_mints_once_per_attempt(conn: Conn) -> None:
     assert await sheets.progress(conn, run_id) == (2, 0)
 
 
-async def test_a_legacy_admission_refuses_a_version_its_attempt_was_not_given(conn: Conn) -> None:
-    other, sheet = await make_run(conn), new_sheet()
-    foreign = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(other), rows=page("x"))
-    run_id = await make_run(conn)
+async def test_a_legacy_admission_reuses_a_version_its_run_saved_and_refuses_others(
+    conn: Conn,
+) -> None:
+    run_id, sheet = await make_run(conn), new_sheet()
     own = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("y"))
+
+    # A new attempt that carries the version an earlier attempt saved reuses it, as the
+    # reference's mint does, and it becomes the attempt's for its later pages.
+    await wake(conn, run_id)
+    carried = await sheets.admit_page(
+        conn,
+        org=ORG,
+        sheet=sheet,
+        fence=F(run_id),
+        rows=page("y", "z"),
+        write_version=own.write_version,
+    )
+    assert carried.write_version == own.write_version
+    assert carried.keys(Disposition.ALREADY_CURRENT) == ("y",)
+    assert carried.keys(Disposition.ADMITTED) == ("z",)
+    later = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("w"))
+    assert later.write_version == own.write_version
+
+    other = await make_run(conn)
+    foreign = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(other), rows=page("x"))
+    # Another run's version, or one nobody minted, is refused: nothing is written.
     for wrong in (foreign.write_version, own.write_version + 1000):
-        with pytest.raises(WriteVersionMismatch, match="first admission"):
+        with pytest.raises(WriteVersionMismatch, match="never admitted for run"):
             await sheets.admit_page(
                 conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("x"), write_version=wrong
             )
@@ -147,6 +168,93 @@ async def test_a_legacy_admission_refuses_a_version_its_attempt_was_not_given(co
             rows=page("z"),
             write_version=own.write_version,
         )
+
+
+async def test_a_first_intent_stores_the_version_its_run_carries(conn: Conn) -> None:
+    run_id, sheet = await make_run(conn), new_sheet()
+    legacy = await sheets.admit_page(conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a"))
+
+    first = await sheets.admit_page(
+        conn,
+        org=ORG,
+        sheet=sheet,
+        fence=F(run_id),
+        rows=page("a", "b"),
+        stable_intent=True,
+        write_version=legacy.write_version,
+    )
+
+    assert first.write_version == legacy.write_version and first.stable_intent
+    assert first.keys(Disposition.ALREADY_CURRENT) == ("a",)
+    assert await intents(conn, run_id, sheet) == 1
+    await wake(conn, run_id)
+    woken = await sheets.admit_page(
+        conn, org=ORG, sheet=sheet, fence=F(run_id), rows=page("a", "b"), stable_intent=True
+    )
+    assert woken.write_version == legacy.write_version
+    assert woken.keys(Disposition.ALREADY_CURRENT) == ("a", "b")
+
+
+async def test_without_rerun_admission_pending_rows_stay_with_their_admission(
+    conn: Conn,
+) -> None:
+    old, sheet = await make_run(conn), new_sheet()
+    v1 = await sheets.admit_page(
+        conn, org=ORG, sheet=sheet, fence=F(old), rows=page("a", "b"), stable_intent=True
+    )
+    new = await make_run(conn)
+
+    kept = await sheets.admit_page(
+        conn,
+        org=ORG,
+        sheet=sheet,
+        fence=F(new),
+        rows=page("a", "b", "c"),
+        stable_intent=True,
+        pending_rerun_admission=False,
+    )
+
+    assert kept.keys(Disposition.LEFT_PENDING) == ("a", "b")
+    assert kept.keys(Disposition.ADMITTED) == ("c",)
+    assert (await row_state(conn, sheet, "a"))[:2] == (old, v1.write_version)  # type: ignore[index]
+    assert await sheets.progress(conn, new) == (1, 0)
+    # A rerun admission (the default) takes them over under the newer intent.
+    rerun = await sheets.admit_page(
+        conn, org=ORG, sheet=sheet, fence=F(new), rows=page("a", "b"), stable_intent=True
+    )
+    assert rerun.keys(Disposition.READMITTED) == ("a", "b")
+    assert (await row_state(conn, sheet, "a"))[:2] == (new, kept.write_version)  # type: ignore[index]
+
+
+async def test_sheet_names_are_normalised_to_one_sheet_and_one_intent(conn: Conn) -> None:
+    run_id, name = await make_run(conn), new_sheet()
+
+    first = await sheets.admit_page(
+        conn,
+        org=ORG,
+        sheet=f"  {name.upper()} ",
+        fence=F(run_id),
+        rows=page("a"),
+        stable_intent=True,
+    )
+    again = await sheets.admit_page(
+        conn, org=ORG, sheet=name, fence=F(run_id), rows=page("a", "b"), stable_intent=True
+    )
+
+    assert again.write_version == first.write_version
+    assert again.keys(Disposition.ALREADY_CURRENT) == ("a",)
+    assert await intents(conn, run_id, name) == 1 and await sheet_rows(conn, name) == 2
+    written = await sheets.complete_rows(
+        conn,
+        org=ORG,
+        sheet=name.title(),
+        fence=F(run_id),
+        write_version=first.write_version,
+        completions=done("a", "b"),
+    )
+    assert written.committed == ("a", "b")
+    with pytest.raises(InvalidField, match="only whitespace"):
+        await sheets.admit_page(conn, org=ORG, sheet="   ", fence=F(run_id), rows=page("a"))
 
 
 async def test_stable_intent_is_reused_across_pages_and_wakes(conn: Conn) -> None:
@@ -486,15 +594,27 @@ async def test_supersession_raises_with_sheet_run_counts_and_samples(conn: Conn)
             raise_on_superseded=True,
         )
 
-    message = str(caught.value)
-    assert caught.value.code == "SHEET_SUPERSEDED"
+    error = caught.value
+    message = str(error)
+    assert error.code == "RUNTIME_SHEET_ATTEMPT_SUPERSEDED"
+    assert message.startswith("RUNTIME_SHEET_ATTEMPT_SUPERSEDED: ")
     assert sheet in message and str(old) in message
     assert f"write version {v1.write_version}" in message
     assert "8 of 8" in message
-    assert "newer_write_version=7" in message and "older_write_version=1" in message
+    assert "newer_write_version=7, older_write_version=1" in message
     assert "must stop" in message
-    sampled = [key for key in [*keys, "ghost"] if f"{key} (row version" in message]
-    assert sampled == keys[:5]
+    sampled = [key for key in [*keys, "ghost"] if f"key={key} row_write_version=" in message]
+    assert sampled == keys[:5]  # at most five in the message ...
+    wire = error.as_dict()  # ... and every row in the reference's fields
+    assert (wire["tableNamespace"], wire["runId"]) == (sheet, str(old))
+    assert (wire["writeVersion"], wire["submittedRows"]) == (v1.write_version, 8)
+    assert [row["key"] for row in wire["supersededRows"]] == [*keys, "ghost"]
+    assert wire["supersededRows"][-1] == {
+        "key": "ghost",
+        "reason": "older_write_version",
+        "rowVersionStamp": None,
+    }
+    assert "fenceReason" not in wire
 
 
 async def test_completion_validation(conn: Conn) -> None:

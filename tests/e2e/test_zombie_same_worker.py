@@ -103,7 +103,9 @@ async def same_worker(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]
     second step and return, each write carrying the attempt that made it. A refused write
     is noted and the play goes on, so each of its writes reaches the database."""
     sheet = ctx.sheet("same_worker")
-    admitted = await sheet.admit([(key, {"i": i}) for i, key in enumerate(ROW_KEYS)])
+    admitted = await sheet.admit(
+        [(key, {"i": i}) for i, key in enumerate(ROW_KEYS)], stable_intent=True
+    )
     open_keys = [r.key for r in admitted.rows if r.disposition in OPEN]
 
     async def enrich() -> dict[str, Any]:

@@ -577,7 +577,7 @@ async def test_zombie_stopped_between_receipts_and_row_completion(
     z = await scenario(db_url, tmp_path, "receipts")
     # A's late write: completing its page of rows (refused as a whole).
     check_common(z, final_state="succeeded", refused=[(1, "rows", ROWS)])
-    check_fenced_late_write(z, "SHEET_SUPERSEDED")
+    check_fenced_late_write(z, "RUNTIME_SHEET_ATTEMPT_SUPERSEDED")
     # The receipts A recorded before its close stand and were replayed by B (not paid
     # again); the rows were completed by B alone.
     check_rows_by_b_on_a_receipts(z)
@@ -722,7 +722,7 @@ async def test_zombie_stopped_holding_a_permit(db_url: str, tmp_path: Path) -> N
     # A's late writes: the release of the permit it took before its close (refused; the
     # block swallows the refusal), then its row completion (refused as a whole).
     check_common(z, final_state="succeeded", refused=[(1, "limit", 1), (1, "rows", ROWS)])
-    check_fenced_late_write(z, "SHEET_SUPERSEDED")
+    check_fenced_late_write(z, "RUNTIME_SHEET_ATTEMPT_SUPERSEDED")
     # A's permit stopped counting when its lease lapsed, and the rescue pass deleted it:
     # B got the one permit under the cap (the only hold there was in its block).
     assert z.rescue["counts"]["holds_swept"] == 1

@@ -631,8 +631,9 @@ class FenceModel(RuleBasedStateMachine):
                 completions=[sheets.RowCompletion(key, output, status) for key in keys],
             )
         except SheetSuperseded as error:
-            # The attempt fence refused it: every row is stale_attempt, and it always raises.
-            assert error.counts == {"stale_attempt": len(keys)}, (
+            # The attempt fence refused it: every row, and it always raises.
+            assert error.fence_reason == "stale_attempt", f"completion by {fence}: {error}"
+            assert error.counts == {"newer_write_version": len(keys)}, (
                 f"completion by {fence} raised {error.counts}: {error}"
             )
             return Answer("refused", error)

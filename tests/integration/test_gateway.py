@@ -268,10 +268,10 @@ async def test_unknown_actions_and_other_runs_are_refused(gw: Gateway) -> None:
     scoped = await gw.post(other, token)
     assert scoped.status_code == 403 and error_of(scoped)["code"] == "RUNTIME_RUN_SCOPE"
     unknown_field = start_body(["a"])
-    unknown_field["input"]["stableWriteIntent"] = True
+    unknown_field["input"]["attemptSeq"] = 1  # a field of the reference's this one lacks
     refused_field = await gw.post(unknown_field, token)
     assert refused_field.status_code == 400
-    assert error_of(refused_field)["field"].endswith(".stableWriteIntent")
+    assert error_of(refused_field)["field"].endswith(".attemptSeq")
     assert await sheet_rows(gw.db_url) == 0
 
 

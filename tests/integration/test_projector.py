@@ -288,7 +288,7 @@ async def paged(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     sheet = ctx.sheet(f"paged-{ctx.run_id}")
     pages = 0
     async for page in ctx.input_pages():
-        admitted = await sheet.admit(page)
+        admitted = await sheet.admit(page, stable_intent=True)
         open_keys = admitted.keys(Disposition.ADMITTED) + admitted.keys(Disposition.READMITTED)
         if open_keys:
             await sheet.complete([RowCompletion(key, {"page": pages}) for key in open_keys])

@@ -251,7 +251,8 @@ async def test_an_admission_racing_a_completion_sees_the_row_terminal(db_url: st
 async def test_a_completion_queued_behind_a_rescue_in_flight_is_refused(db_url: str) -> None:
     """The rescue holds the run row; attempt 1's completion (the same write version as
     attempt 2 will have: a stable intent) waits for it, re-reads the run row once the
-    rescue committed, and is refused as ``stale_attempt``: nothing is written."""
+    rescue committed, and is refused by the attempt fence (``stale_attempt``): nothing is
+    written."""
     async with connect(db_url) as writer, connect(db_url) as rescuer, connect(db_url) as observer:
         old = await start(writer)
         v1 = await sheets.admit_page(
@@ -274,9 +275,10 @@ async def test_a_completion_queued_behind_a_rescue_in_flight_is_refused(db_url: 
                 )
             )
             await blocked_on_a_lock(observer, writer, task)
-        with pytest.raises(SheetSuperseded, match="no longer owns the run") as raised:
+        with pytest.raises(SheetSuperseded, match="must stop") as raised:
             await asyncio.wait_for(task, DEADLINE_S)
-        assert raised.value.counts == {"stale_attempt": 2}
+        assert raised.value.counts == {"newer_write_version": 2}
+        assert raised.value.fence_reason == "stale_attempt"
         assert await sheet_rows(observer) == [
             (key, old.run_id, v1.write_version, "pending", None, 1) for key in ("a", "b")
         ]

@@ -97,7 +97,7 @@ async def rows(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
         pages = [[(f"r{i:03d}", {"i": i}) for i in range(count)]]
     admitted = done = 0
     for page in pages:
-        await sheet.admit(page)
+        await sheet.admit(page, stable_intent=True)
         admitted += len(page)
         completed = await sheet.complete(
             [sheets.RowCompletion(key, {"doubled": 2 * int(row.get("i", 0))}) for key, row in page],

@@ -15,7 +15,8 @@ from psycopg_pool import PoolTimeout
 from queues import operations
 from queues.errors import DatabaseUnreachable, StaleAttempt
 from worker import contract
-from worker.contract import Absorbing, is_blip
+from worker.blips import is_blip
+from worker.contract import Absorbing
 
 
 @pytest.mark.parametrize(

@@ -21,12 +21,16 @@ import click
 import psycopg
 
 from queues.errors import ExitCode, WorkerError, connection_lost, translate
-from worker import logs
+from worker import config, logs
 from worker.cli.common import State, report
 from worker.output import printable
 
 # Services: they log at INFO unless told otherwise; every other command logs warnings only.
 SERVICES = frozenset({"start", "recover", "gateway", "dashboard"})
+# The commands that re-execute themselves without the secrets in their environment
+# (worker.config.hand_off_secrets): they do it before their module is imported, so the
+# process that is replaced has loaded only this package.
+HAND_OFF = frozenset({"start", "recover", "gateway"})
 
 
 # Each command and the module that defines it, imported only when that command runs (or
@@ -65,6 +69,13 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         self._load(cmd_name)
         return super().get_command(ctx, cmd_name)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] in HAND_OFF and not ctx.resilient_parsing:
+            config.hand_off_secrets()  # returns only when there was nothing to hand off
+        return super().resolve_command(ctx, args)
 
     def loaded(self) -> MutableMapping[str, click.Command]:
         """Every command, imported: ``commands`` is complete from then on (the reference

@@ -17,6 +17,7 @@ import psycopg
 from queues import fields, roles
 from queues.errors import InvalidField, WorkerError
 from worker import config, db, embedded
+from worker.outage import MAX_OUTAGE_S
 from worker.output import EXIT_BY_STATE, exit_code_of, iso, printable, to_json
 
 T = TypeVar("T")
@@ -117,6 +118,22 @@ class Duration(click.ParamType):  # type: ignore[type-arg]  # generic only from 
         return "DURATION"
 
 
+def max_outage_option(when: str = "") -> Callable[[F], F]:
+    """``--max-outage`` of a long-lived command: how long it rides out a lost database (a
+    restart, a failover to a standby, reached again through a multi-host URL) before it
+    ends with ``DATABASE_LOST``, exit 6 (:mod:`worker.outage`). ``when``: the option it
+    applies with, e.g. "With --wait: "."""
+    return click.option(
+        "--max-outage",
+        "max_outage",
+        type=Duration(minimum=1, maximum=86400),
+        default=f"{MAX_OUTAGE_S:g}s",
+        show_default=True,
+        help=f"{when}Ride out a lost database (a restart, a failover) this long, reconnecting "
+        "and going on where it was; past it, exit 6 (DATABASE_LOST).",
+    )
+
+
 def release_option(f: F) -> F:
     return click.option(
         "--release",
@@ -162,6 +179,7 @@ __all__ = [
     "exit_code_of",
     "iso",
     "json_option",
+    "max_outage_option",
     "parse_run_id",
     "pass_state",
     "printable",

@@ -19,11 +19,13 @@ from worker.cli.common import (
     connected,
     emit_json,
     json_option,
+    max_outage_option,
     parse_run_id,
     pass_state,
     run,
     to_json,
 )
+from worker.outage import MAX_OUTAGE_S, Outage, riding
 from worker.output import printable
 
 Conn = psycopg.AsyncConnection[Any]
@@ -39,18 +41,30 @@ def _line(event: runs.Event, as_json: bool) -> str:
 
 
 async def print_events(
-    url: str, run_id: uuid.UUID, *, follow: bool, as_json: bool, echo: Callable[[str], None]
+    url: str,
+    run_id: uuid.UUID,
+    *,
+    follow: bool,
+    as_json: bool,
+    echo: Callable[[str], None],
+    max_outage_s: float = MAX_OUTAGE_S,
 ) -> int:
     """Print a run's ledger; with ``follow``, keep printing until the run is terminal and
-    every event before its end is printed (LISTEN, and a poll for lost notifications)."""
-    async with db.session(url) as conn:
+    every event before its end is printed (LISTEN, and a poll for lost notifications),
+    riding out a lost database for up to ``max_outage_s`` (worker.outage): it goes on from
+    the last event printed."""
+    last = 0
+    outage = Outage("events", limit_s=max_outage_s)
+
+    async def read(conn: Conn) -> int:
+        nonlocal last
         if follow and db.listens():  # through a transaction pooler: the poll alone
             await conn.execute("LISTEN wq_run_events")
-        last = 0
         while True:
             # The run first, then its events: once the run is seen terminal, the events
             # read next include every one committed before its end (seq is commit order).
             run = await runs.get(conn, run_id)
+            outage.ok()
             for event in await runs.events(conn, run_id, after=last):
                 last = event.seq
                 echo(_line(event, as_json))
@@ -58,17 +72,30 @@ async def print_events(
                 return 0
             await observe.notified(conn, run_id, observe.poll_s())
 
+    code = await riding(url, read, outage, application="wq-events")
+    assert code is not None  # riding gives None only at an `until`
+    return code
+
 
 @click.command("events")
 @click.argument("run_id", metavar="RUN")
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new events until the run ends.")
+@max_outage_option("With --follow: ")
 @json_option
 @pass_state
-def events_command(state: State, run_id: str, follow: bool, as_json: bool) -> None:
-    """Print RUN's ledger: seq, time (ISO 8601), kind, attempt, data (--json: a line each)."""
+def events_command(
+    state: State, run_id: str, follow: bool, max_outage: float, as_json: bool
+) -> None:
+    """Print RUN's ledger: seq, time (ISO 8601), kind, attempt, data (--json: a line each).
+
+    With --follow it rides out a lost database (a restart, a failover) for up to
+    --max-outage, going on from the last event printed, then exits 6 (DATABASE_LOST)."""
     rid = parse_run_id(run_id)
     url = state.url_for(config.Purpose.READ)
-    sys.exit(run(print_events(url, rid, follow=follow, as_json=as_json, echo=click.echo)))
+    printing = print_events(
+        url, rid, follow=follow, as_json=as_json, echo=click.echo, max_outage_s=max_outage
+    )
+    sys.exit(run(printing))
 
 
 # ---- sinks ---------------------------------------------------------------------------------

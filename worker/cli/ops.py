@@ -138,7 +138,11 @@ def _shown(column: str, value: Any) -> str:
 @pass_state
 def dashboard_command(state: State, host: str, port: int) -> None:
     """Serve the web dashboard: runs, a run's attempts, ledger, progress and traceback,
-    lanes and their policies, metrics. Log in with the dashboard secret."""
+    lanes and their policies, metrics. Log in with the dashboard secret.
+
+    A lost database (a restart, a failover) does not stop it: pages answer 503 while
+    nothing answers, their live parts keep polling, and they are live again as soon as
+    the database answers (a multi-host URL finds the new primary)."""
     from worker import dashboard
     from worker.dashboard import auth
 

@@ -32,7 +32,16 @@ from worker import (
     stopping,
 )
 from worker import recovery as worker_recovery
-from worker.cli.common import Duration, State, emit_json, json_option, pass_state, run
+from worker.cli.common import (
+    Duration,
+    State,
+    emit_json,
+    json_option,
+    max_outage_option,
+    pass_state,
+    run,
+)
+from worker.outage import Downtime
 
 log = structlog.get_logger("worker.cli")
 
@@ -142,14 +151,18 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     type=Duration(minimum=1, maximum=86400),
     default="60s",
     show_default=True,
-    help="Exit non-zero when the database stays unreachable this long.",
+    help="Ride out a lost database (a restart, a failover to a standby) this long: every "
+    "loop reconnects and running plays' calls are sent again; past it, stop at once and "
+    "exit 6 (DATABASE_LOST) for the supervisor to restart the worker.",
 )
 @click.option(
     "--grace",
     type=Duration(maximum=3600, zero=True),
     default="4s",
     show_default=True,
-    help="How long running attempts get to finish on SIGTERM before hand-back.",
+    help="How long running attempts get to finish on SIGTERM before hand-back; the "
+    "worker exits within it (and a second more for the hand-backs while the database "
+    "answers; in an outage, none).",
 )
 @click.option(
     "--gateway-url",
@@ -315,6 +328,7 @@ def _echo_report(report: recovery.RecoveryReport) -> None:
     show_default=True,
     help="Delete emitted events (and the refused-write log) older than this.",
 )
+@max_outage_option("With --every: ")
 @json_option
 @wait_for_schema_option
 @metrics_options
@@ -326,12 +340,17 @@ def recover_command(
     batch: int,
     stranded_after: float,
     event_retention: float,
+    max_outage: float,
     as_json: bool,
     wait_for_schema: float | None,
     metrics_port: int | None,
     metrics_host: str,
 ) -> None:
-    """Rescue lapsed leases and orphaned runs, clean up, report stranded lanes."""
+    """Rescue lapsed leases and orphaned runs, clean up, report stranded lanes.
+
+    With --every, a lost database (a restart, a failover) is ridden out for up to
+    --max-outage (the pass runs again as soon as it answers), then the process exits 6
+    (DATABASE_LOST)."""
     config.hand_off_secrets()
     if once and every is not None:
         raise InvalidField(
@@ -374,18 +393,30 @@ def recover_command(
     async def loop(every_s: float) -> int:
         stop = asyncio.Event()
         stopping.on_stop_signals(stop.set)
-        log.info("recovery_started", every_s=every_s, batch=batch)
-        projecting = projector.start(state.url, stop)  # the ledger's outbox, alongside
-        passes = await worker_recovery.recover_forever(
-            state.url,
-            every_s,
-            stop,
-            batch=batch,
-            stranded_after_s=stranded_after,
-            event_retention_s=event_retention,
-            on_pass=show if as_json else None,
-        )
-        await projecting
+        log.info("recovery_started", every_s=every_s, batch=batch, max_outage_s=max_outage)
+        # One account of an outage for the passes and the projector: past --max-outage
+        # the process stops and exits 6 (worker.outage).
+        downtime = Downtime(max_outage, on_lost=lambda _lost: stop.set())
+        # The ledger's outbox, alongside.
+        projecting = projector.start(state.url, stop, downtime=downtime)
+        try:
+            passes = await worker_recovery.recover_forever(
+                state.url,
+                every_s,
+                stop,
+                batch=batch,
+                stranded_after_s=stranded_after,
+                event_retention_s=event_retention,
+                on_pass=show if as_json else None,
+                downtime=downtime,
+            )
+        finally:
+            stop.set()
+            await projecting
+            if downtime.lost is not None:
+                log.error("recovery_database_lost", error=downtime.lost.message)
+        if downtime.lost is not None:
+            raise downtime.lost
         log.info("recovery_stopped", passes=passes)
         return 0
 

@@ -27,6 +27,7 @@ from worker.cli.common import (
     exit_code_of,
     iso,
     json_option,
+    max_outage_option,
     parse_run_id,
     pass_state,
     release_option,
@@ -252,7 +253,12 @@ def _submit_runs(
 )
 @release_option
 @click.option("--org", default="default", show_default=True, help="Organisation of the run.")
-@click.option("--idempotency-key", default=None, help="Key that makes the submit idempotent.")
+@click.option(
+    "--idempotency-key",
+    default=None,
+    help="Key that makes the submit idempotent: send a submit that exited 6 again with the "
+    "same key (it admits one run however often it is sent).",
+)
 @click.option(
     "--app",
     "app",
@@ -266,6 +272,7 @@ def _submit_runs(
     default=None,
     help="With --wait: give up waiting after DURATION (exit 4; the run goes on).",
 )
+@max_outage_option("With --wait, once admitted: ")
 @click.option(
     "--max-attempts",
     default=None,
@@ -316,6 +323,7 @@ def submit(
     app: str | None,
     wait: bool,
     wait_timeout: float | None,
+    max_outage: float,
     max_attempts: str | None,
     retry: str | None,
     run_timeout: str | None,
@@ -324,7 +332,11 @@ def submit(
     meta: str | None,
     as_json: bool,
 ) -> None:
-    """Admit a run of PLAY (one atomic statement), or the runs of a --runs file."""
+    """Admit a run of PLAY (one atomic statement), or the runs of a --runs file.
+
+    A submit that meets a lost database (a restart, a failover under way) exits 6
+    (DATABASE_UNREACHABLE) and may or may not have been admitted: send it again with the
+    same --idempotency-key (docs/how-to/high-availability.md)."""
     _timeout_needs_wait(wait_timeout, wait, flag="--wait-timeout")
     if wait and run_timeout is not None and wait_timeout is None:
         click.echo(
@@ -437,7 +449,7 @@ def submit(
                 click.echo(f"{verb} run {admitted.run_id} on lane {printable(admitted.lane)}")
             return 0
         return await _wait_result(
-            state.url_for(config.Purpose.READ), admitted.run_id, wait_timeout, as_json
+            state.url_for(config.Purpose.READ), admitted.run_id, wait_timeout, as_json, max_outage
         )
 
     connected(state, go, purpose)
@@ -465,8 +477,10 @@ def _show_run(run_: runs.Run, as_json: bool) -> None:
         click.echo(f"error: {json.dumps(shown, sort_keys=True)}")
 
 
-async def _wait_result(url: str, run_id: uuid.UUID, timeout: float | None, as_json: bool) -> int:
-    run_ = await observe.wait_terminal(url, run_id, timeout=timeout)
+async def _wait_result(
+    url: str, run_id: uuid.UUID, timeout: float | None, as_json: bool, max_outage: float
+) -> int:
+    run_ = await observe.wait_terminal(url, run_id, timeout=timeout, max_outage_s=max_outage)
     if run_ is None:
         click.echo(f"timed out waiting for run {run_id}; it goes on", err=True)
         return ExitCode.TIMED_OUT
@@ -478,15 +492,22 @@ async def _wait_result(url: str, run_id: uuid.UUID, timeout: float | None, as_js
 @click.argument("run_id", metavar="RUN")
 @click.option("--wait", is_flag=True, help="Block until the run is terminal.")
 @click.option("--timeout", type=Duration(), default=None, help="With --wait: give up after.")
+@max_outage_option("With --wait: ")
 @json_option
 @pass_state
-def result(state: State, run_id: str, wait: bool, timeout: float | None, as_json: bool) -> None:
+def result(
+    state: State, run_id: str, wait: bool, timeout: float | None, max_outage: float, as_json: bool
+) -> None:
     """Print a run's result; the exit status says how it ended (docs/reference/errors.md):
-    0 succeeded, 1 failed, 3 cancelled, 4 gave up waiting, 5 not finished yet."""
+    0 succeeded, 1 failed, 3 cancelled, 4 gave up waiting, 5 not finished yet.
+
+    With --wait it rides out a lost database (a restart, a failover) for up to
+    --max-outage, then exits 6 (DATABASE_LOST)."""
     rid = parse_run_id(run_id)
     _timeout_needs_wait(timeout, wait)
     if wait:
-        sys.exit(run(_wait_result(state.url_for(config.Purpose.READ), rid, timeout, as_json)))
+        url = state.url_for(config.Purpose.READ)
+        sys.exit(run(_wait_result(url, rid, timeout, as_json, max_outage)))
 
     async def go(conn: Conn) -> int:
         run_ = await runs.get(conn, rid)
@@ -498,12 +519,17 @@ def result(state: State, run_id: str, wait: bool, timeout: float | None, as_json
 
 @click.command("observe")
 @click.argument("run_id", metavar="RUN")
+@max_outage_option()
 @json_option
 @pass_state
-def observe_cmd(state: State, run_id: str, as_json: bool) -> None:
-    """Follow a run's ledger and row progress live until it is terminal."""
+def observe_cmd(state: State, run_id: str, max_outage: float, as_json: bool) -> None:
+    """Follow a run's ledger and row progress live until it is terminal.
+
+    It rides out a lost database (a restart, a failover) for up to --max-outage, going on
+    from the last event printed, then exits 6 (DATABASE_LOST)."""
     rid = parse_run_id(run_id)
-    sys.exit(run(observe.follow(state.url_for(config.Purpose.READ), rid, as_json=as_json)))
+    url = state.url_for(config.Purpose.READ)
+    sys.exit(run(observe.follow(url, rid, as_json=as_json, max_outage_s=max_outage)))
 
 
 @click.command()

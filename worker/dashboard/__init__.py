@@ -3,6 +3,10 @@
 Server-rendered with Starlette and Jinja2 templates (no Node build step), live by polling,
 read with the reader role, acting with the worker role, behind a login secret and CSRF
 protection. :func:`start` serves it on an event loop (the CLI and the tests use it).
+
+It rides out a lost database (a restart, a failover) with no limit: while nothing answers,
+a page answers 503 and its live parts keep polling; the next page after the database is
+back reads it on a new connection. The server itself never exits for an outage.
 """
 
 from __future__ import annotations
@@ -54,8 +58,12 @@ async def start(
         max_size=4,
         open=False,
         timeout=5.0,
-        kwargs={"autocommit": True, "connect_timeout": 5},
-        check=AsyncConnectionPool.check_connection,  # a restarted database: reconnect
+        # The process's connection settings (worker.db): a connect timeout, and keepalives
+        # so a page on a cut link fails within seconds instead of hanging.
+        kwargs={"autocommit": True, **db.connect_kwargs(reader_url, application="wq-dashboard")},
+        # A restarted or failed-over database: each connection is checked when taken, and
+        # a new one (a multi-host URL finds the new primary) replaces a dead one.
+        check=AsyncConnectionPool.check_connection,
     )
     await pool.open(wait=True, timeout=30)
     try:
