@@ -198,7 +198,7 @@ class Run:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    id: int
+    id: int | None  # the wq_events row; None for an event a state row stands for
     run_id: uuid.UUID
     seq: int  # the run's own sequence: 1, 2, 3, ... gapless, in commit order
     attempt: int | None

@@ -798,15 +798,28 @@ $$;
 CREATE FUNCTION public.wq_events_sequence() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
+DECLARE
+    v_last bigint;
 BEGIN
     IF NEW.kind = 'run_created' THEN
         NEW.seq := 1;
         RETURN NEW;
     END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || NEW.run_id::text, 0));
-    SELECT coalesce(max(e.seq), 0) + 1 INTO NEW.seq
+    SELECT coalesce(max(e.seq), 0) INTO v_last
       FROM wq_events e
      WHERE e.run_id = NEW.run_id;
+    IF NEW.seq IS NULL THEN
+        NEW.seq := v_last + 1;
+    ELSIF NEW.seq <> v_last + 1 THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'serialization_failure',
+            MESSAGE = format('event %s of run %s came with seq %s, but the run''s next '
+                             'seq is %s (the number was not taken under the run''s ledger '
+                             'lock, and another append took it)', NEW.kind, NEW.run_id,
+                             NEW.seq, v_last + 1),
+            HINT = 'retry the statement: it takes the number again';
+    END IF;
     RETURN NEW;
 END;
 $$;
@@ -920,6 +933,27 @@ CREATE FUNCTION public.wq_lease_lapsed(p_owner text, p_expires_at timestamp with
     LANGUAGE sql
     AS $$
     SELECT p_expires_at < p_at OR wq_worker_gone(p_owner, p_at)
+$$;
+
+--
+-- Name: wq_ledger_next_seq(uuid, bigint); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_next_seq(p_run uuid, p_counter bigint) RETURNS bigint
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_counter bigint;
+    v_last bigint;
+BEGIN
+    SELECT r.ledger_seq INTO v_counter
+      FROM wq_runs r
+     WHERE r.id = p_run
+       FOR NO KEY UPDATE;  -- lock 1, the run row
+    PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || p_run::text, 0));  -- lock 2
+    SELECT max(e.seq) INTO v_last FROM wq_events e WHERE e.run_id = p_run;
+    RETURN coalesce(greatest(p_counter, v_counter, v_last), 0) + 1;
+END;
 $$;
 
 --
@@ -1192,9 +1226,9 @@ BEGIN
 
     v_job := wq_transport_next_id();
     INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id,
-                         authority, input_rows, input_digest)
+                         authority, input_rows, input_digest, ledger_seq, created_lane)
     VALUES (p_id, p_org, p_play, p_params, p_release, p_lane, p_key, v_job, p_authority,
-            coalesce(p_input_rows, 0), p_input_digest)
+            coalesce(p_input_rows, 0), p_input_digest, 1, p_lane)
     ON CONFLICT (org, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id INTO v_run;
 
@@ -1321,8 +1355,9 @@ BEGIN
                AS s (id, org, play, params, release, lane, key, priority, authority, ord)
     ), inserted AS (
         INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id,
-                             authority, input_rows)
-        SELECT i.id, i.org, i.play, i.params, i.release, i.lane, i.key, i.job, i.authority, 0
+                             authority, input_rows, ledger_seq, created_lane)
+        SELECT i.id, i.org, i.play, i.params, i.release, i.lane, i.key, i.job, i.authority, 0,
+               1, i.lane
           FROM input i
           JOIN wq_lanes l ON l.name = i.lane AND l.state = 'prepared'
          ORDER BY i.ord
@@ -2325,7 +2360,12 @@ CREATE TABLE public.wq_attempts (
     outcome public.wq_attempt_outcome DEFAULT 'running'::public.wq_attempt_outcome NOT NULL,
     error jsonb,
     started_at timestamp with time zone DEFAULT now() NOT NULL,
-    finished_at timestamp with time zone
+    finished_at timestamp with time zone,
+    start_seq bigint,
+    cleanup boolean,
+    end_seq bigint,
+    end_kind text,
+    end_data jsonb
 );
 
 --
@@ -2402,6 +2442,144 @@ CREATE TABLE public.wq_lanes (
     CONSTRAINT wq_lanes_retry_max_attempts_check CHECK ((retry_max_attempts >= 1)),
     CONSTRAINT wq_lanes_run_timeout_s_check CHECK ((run_timeout_s >= (0)::double precision))
 );
+
+--
+-- Name: wq_runs; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_runs (
+    id uuid NOT NULL,
+    org text NOT NULL,
+    play text NOT NULL,
+    params jsonb DEFAULT '{}'::jsonb NOT NULL,
+    release text NOT NULL,
+    lane text NOT NULL,
+    idempotency_key text,
+    state public.wq_run_state DEFAULT 'queued'::public.wq_run_state NOT NULL,
+    attempt integer DEFAULT 0 NOT NULL,
+    lease_owner text,
+    lease_expires_at timestamp with time zone,
+    job_id bigint,
+    available_at timestamp with time zone,
+    wait_event text,
+    wake_payload jsonb,
+    result jsonb,
+    error jsonb,
+    cancel_requested_at timestamp with time zone,
+    cancel_reason text,
+    rows_admitted bigint DEFAULT 0 NOT NULL,
+    rows_done bigint DEFAULT 0 NOT NULL,
+    authority jsonb DEFAULT '{}'::jsonb NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    started_at timestamp with time zone,
+    finished_at timestamp with time zone,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    input_rows bigint DEFAULT 0 NOT NULL,
+    input_digest text,
+    retry_floor integer DEFAULT 0 NOT NULL,
+    retry_max_attempts integer,
+    retry_kind text,
+    retry_base_s double precision,
+    retry_factor double precision,
+    retry_cap_s double precision,
+    retry_jitter double precision,
+    timeout_s double precision,
+    start_by timestamp with time zone,
+    meta jsonb,
+    parent_id uuid,
+    ledger_seq bigint,
+    created_lane text,
+    ledger_end_seq bigint,
+    ledger_end_kind text,
+    ledger_end_data jsonb,
+    ledger_end_at timestamp with time zone,
+    CONSTRAINT wq_runs_lease_iff_running CHECK (((state = 'running'::public.wq_run_state) = (lease_owner IS NOT NULL))),
+    CONSTRAINT wq_runs_retry_floor_check CHECK ((retry_floor >= 0))
+);
+
+--
+-- Name: wq_ledger_state; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.wq_ledger_state AS
+ SELECT NULL::bigint AS id,
+    r.id AS run_id,
+    (1)::bigint AS seq,
+    NULL::integer AS attempt,
+    'run_created'::text AS kind,
+    (jsonb_build_object('play', r.play, 'lane', r.created_lane, 'org', r.org) ||
+        CASE
+            WHEN (r.parent_id IS NULL) THEN '{}'::jsonb
+            ELSE jsonb_build_object('parent', (r.parent_id)::text)
+        END) AS data,
+    NULL::text AS idempotency_key,
+    r.created_at AS at
+   FROM public.wq_runs r
+  WHERE (r.created_lane IS NOT NULL)
+UNION ALL
+ SELECT NULL::bigint AS id,
+    r.id AS run_id,
+    r.ledger_end_seq AS seq,
+    NULL::integer AS attempt,
+    r.ledger_end_kind AS kind,
+    r.ledger_end_data AS data,
+    NULL::text AS idempotency_key,
+    r.ledger_end_at AS at
+   FROM public.wq_runs r
+  WHERE (r.ledger_end_seq IS NOT NULL)
+UNION ALL
+ SELECT NULL::bigint AS id,
+    a.run_id,
+    a.start_seq AS seq,
+    a.attempt,
+        CASE
+            WHEN a.cleanup THEN 'cleanup_started'::text
+            ELSE 'attempt_started'::text
+        END AS kind,
+    jsonb_build_object('worker', a.worker_id) AS data,
+    NULL::text AS idempotency_key,
+    a.started_at AS at
+   FROM public.wq_attempts a
+  WHERE (a.start_seq IS NOT NULL)
+UNION ALL
+ SELECT NULL::bigint AS id,
+    a.run_id,
+    a.end_seq AS seq,
+    a.attempt,
+    a.end_kind AS kind,
+    a.end_data AS data,
+    NULL::text AS idempotency_key,
+    a.finished_at AS at
+   FROM public.wq_attempts a
+  WHERE (a.end_seq IS NOT NULL);
+
+--
+-- Name: wq_ledger; Type: VIEW; Schema: public; Owner: -
+--
+
+CREATE VIEW public.wq_ledger AS
+ SELECT e.id,
+    e.run_id,
+    e.seq,
+    e.attempt,
+    e.kind,
+    e.data,
+    e.idempotency_key,
+    e.at
+   FROM public.wq_events e
+UNION ALL
+ SELECT s.id,
+    s.run_id,
+    s.seq,
+    s.attempt,
+    s.kind,
+    s.data,
+    s.idempotency_key,
+    s.at
+   FROM public.wq_ledger_state s
+  WHERE (NOT (EXISTS ( SELECT 1
+           FROM public.wq_events e
+          WHERE ((e.run_id = s.run_id) AND (e.seq = s.seq)))));
 
 --
 -- Name: wq_limit_buckets; Type: TABLE; Schema: public; Owner: -
@@ -2611,54 +2789,6 @@ CREATE TABLE public.wq_run_inputs (
     run_id uuid NOT NULL,
     page integer NOT NULL,
     rows jsonb NOT NULL
-);
-
---
--- Name: wq_runs; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.wq_runs (
-    id uuid NOT NULL,
-    org text NOT NULL,
-    play text NOT NULL,
-    params jsonb DEFAULT '{}'::jsonb NOT NULL,
-    release text NOT NULL,
-    lane text NOT NULL,
-    idempotency_key text,
-    state public.wq_run_state DEFAULT 'queued'::public.wq_run_state NOT NULL,
-    attempt integer DEFAULT 0 NOT NULL,
-    lease_owner text,
-    lease_expires_at timestamp with time zone,
-    job_id bigint,
-    available_at timestamp with time zone,
-    wait_event text,
-    wake_payload jsonb,
-    result jsonb,
-    error jsonb,
-    cancel_requested_at timestamp with time zone,
-    cancel_reason text,
-    rows_admitted bigint DEFAULT 0 NOT NULL,
-    rows_done bigint DEFAULT 0 NOT NULL,
-    authority jsonb DEFAULT '{}'::jsonb NOT NULL,
-    created_at timestamp with time zone DEFAULT now() NOT NULL,
-    started_at timestamp with time zone,
-    finished_at timestamp with time zone,
-    updated_at timestamp with time zone DEFAULT now() NOT NULL,
-    input_rows bigint DEFAULT 0 NOT NULL,
-    input_digest text,
-    retry_floor integer DEFAULT 0 NOT NULL,
-    retry_max_attempts integer,
-    retry_kind text,
-    retry_base_s double precision,
-    retry_factor double precision,
-    retry_cap_s double precision,
-    retry_jitter double precision,
-    timeout_s double precision,
-    start_by timestamp with time zone,
-    meta jsonb,
-    parent_id uuid,
-    CONSTRAINT wq_runs_lease_iff_running CHECK (((state = 'running'::public.wq_run_state) = (lease_owner IS NOT NULL))),
-    CONSTRAINT wq_runs_retry_floor_check CHECK ((retry_floor >= 0))
 );
 
 --

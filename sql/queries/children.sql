@@ -28,13 +28,15 @@ WITH run AS (
 ), child AS (
     INSERT INTO wq_runs (id, org, play, params, release, lane, idempotency_key, job_id,
                          authority, parent_id, retry_max_attempts, retry_kind, retry_base_s,
-                         retry_factor, retry_cap_s, retry_jitter, timeout_s, start_by, meta)
+                         retry_factor, retry_cap_s, retry_jitter, timeout_s, start_by, meta,
+                         ledger_seq, created_lane)
     SELECT %(child_id)s, f.org, %(play)s, %(params)s::jsonb, f.release, f.lane, %(key)s,
            wq_transport_next_id(),
            %(authority)s::jsonb || jsonb_build_object('release', f.release),
            f.id, %(max_attempts)s, %(retry_kind)s, %(retry_base_s)s, %(retry_factor)s,
            %(retry_cap_s)s, %(retry_jitter)s, %(timeout_s)s, %(start_by)s::timestamptz,
-           %(meta)s::jsonb
+           %(meta)s::jsonb,
+           1, f.lane  -- the ledger counter: run_created is seq 1 (docs/design.md, 11b)
       FROM fence f
     ON CONFLICT (org, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, org, play, lane, job_id

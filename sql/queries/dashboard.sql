@@ -23,7 +23,7 @@ SELECT id, org, play, release, lane, idempotency_key, state::text AS state, atte
 -- A run's latest ledger events, in seq order (the last `limit` of them).
 SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
   FROM (SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
-          FROM wq_events
+          FROM wq_ledger  -- wq_events and the state rows (docs/design.md, 11b)
          WHERE run_id = %(run_id)s
          ORDER BY seq DESC
          LIMIT %(limit)s) AS tail

@@ -115,11 +115,11 @@ UPDATE wq_outbox
 RETURNING id;
 
 -- name: progress_get :one
--- A run's progress projection, with the run's last seq (behind only for events appended
--- while the progress sink was disabled).
+-- A run's progress projection, with the run's last seq in the ledger view (behind only for
+-- events appended while the progress sink was disabled).
 SELECT p.run_id, p.state::text AS state, p.attempt, p.rows_admitted, p.rows_done,
        p.last_event_seq, p.updated_at,
-       (SELECT coalesce(max(e.seq), 0) FROM wq_events e WHERE e.run_id = p.run_id)
+       (SELECT coalesce(max(e.seq), 0) FROM wq_ledger e WHERE e.run_id = p.run_id)
            AS ledger_seq
   FROM wq_progress p
  WHERE p.run_id = %(run_id)s;

@@ -139,10 +139,22 @@ WITH input AS (
                'lease_owner', f.lease_owner)),
            finished_at = CASE WHEN f.state IN ('failed', 'cancelled')
                               THEN coalesce(%(now)s::timestamptz, now()) END,
+           -- The lease_expired event takes the run's next seq (docs/design.md, 11b): under
+           -- the row lock `fenced` holds, the function takes the run's ledger lock and
+           -- reads the last seq after it.
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM fenced f
      WHERE r.id = f.id
-    RETURNING r.id
+    RETURNING r.id, r.ledger_seq
+), expired AS (
+    -- The event as the attempt row holds it and wq_events still gets it.
+    SELECT f.id, f.attempt, n.ledger_seq AS seq,
+           jsonb_strip_nulls(jsonb_build_object(
+               'lease_owner', f.lease_owner, 'next_state', f.state, 'retry_at', f.retry_at,
+               'job_id', f.new_job_id)) AS data
+      FROM fenced f
+      JOIN runs n ON n.id = f.id
 ), jobs AS (
     -- The transport: fail the lapsed attempts' jobs, spawn the retries. One row, read by the
     -- final SELECT so that it runs.
@@ -157,16 +169,15 @@ WITH input AS (
        SET outcome = 'lease_expired',
            error = jsonb_build_object('code', 'LEASE_EXPIRED', 'lease_owner', f.lease_owner,
                                       'lease_expires_at', f.lease_expires_at),
-           finished_at = coalesce(%(now)s::timestamptz, now())
+           finished_at = coalesce(%(now)s::timestamptz, now()),
+           end_seq = x.seq, end_kind = 'lease_expired', end_data = x.data
       FROM fenced f
+      JOIN expired x ON x.id = f.id
      WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome = 'running'
 ), events AS (
-    INSERT INTO wq_events (run_id, attempt, kind, data)
-    SELECT f.id, f.attempt, 'lease_expired',
-           jsonb_strip_nulls(jsonb_build_object(
-               'lease_owner', f.lease_owner, 'next_state', f.state, 'retry_at', f.retry_at,
-               'job_id', f.new_job_id))
-      FROM fenced f
+    INSERT INTO wq_events (run_id, attempt, kind, data, seq)
+    SELECT x.id, x.attempt, 'lease_expired', x.data, x.seq
+      FROM expired x
 )
 SELECT f.id AS run_id, f.attempt, f.lane, f.state, f.new_job_id AS job_id, f.retry_at
   FROM fenced f

@@ -38,6 +38,10 @@ WITH taken AS (
                               + make_interval(secs => l.lease_ttl_s),
            started_at = coalesce(r.started_at, coalesce(%(now)s::timestamptz, now())),
            available_at = NULL,
+           -- The attempt's start event takes the run's next seq here (docs/design.md, 11b):
+           -- the function locks the row, then the run's ledger lock, and reads the last
+           -- seq after both (a run not numbered yet starts after its last event).
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM taken, wq_lanes l
      -- The taken jobs' runs by key (the array), whatever the size of the history: joined
@@ -57,8 +61,8 @@ WITH taken AS (
        -- Never started by its claim deadline: failed below (`unknown`), not run late.
        AND (r.start_by IS NULL OR r.started_at IS NOT NULL
             OR r.start_by >= coalesce(%(now)s::timestamptz, now()))
-    RETURNING r.id, r.attempt, r.org, r.play, r.params, r.lane, r.release, r.job_id,
-              r.lease_expires_at, r.wake_payload, r.created_at, r.authority,
+    RETURNING r.id, r.attempt, r.ledger_seq, r.org, r.play, r.params, r.lane, r.release,
+              r.job_id, r.lease_expires_at, r.wake_payload, r.created_at, r.authority,
               r.cancel_requested_at IS NOT NULL AS cleanup,
               l.lease_ttl_s, l.heartbeat_s,
               -- The run's own options over its lane's policy (migration 0015).
@@ -99,12 +103,14 @@ WITH taken AS (
                              AND a.outcome IN ('interrupted', 'lease_expired'))
               ELSE false END AS resumed
 ), attempt AS (
-    INSERT INTO wq_attempts (run_id, attempt, worker_id)
-    SELECT id, attempt, %(worker)s FROM claimed
+    -- The attempt row stands for its start event (wq_ledger); the expand release still
+    -- appends it to wq_events too, with the same seq.
+    INSERT INTO wq_attempts (run_id, attempt, worker_id, start_seq, cleanup)
+    SELECT id, attempt, %(worker)s, ledger_seq, cleanup FROM claimed
 ), event AS (
-    INSERT INTO wq_events (run_id, attempt, kind, data)
+    INSERT INTO wq_events (run_id, attempt, kind, data, seq)
     SELECT id, attempt, CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
-           jsonb_build_object('worker', %(worker)s::text)
+           jsonb_build_object('worker', %(worker)s::text), ledger_seq
       FROM claimed
 ), waiting AS (
     -- The set of workers waiting for work (migration 0032: a spawn wakes them in turns):
@@ -285,10 +291,23 @@ WITH input AS (
            wake_payload = NULL,
            finished_at = CASE WHEN f.state IN ('succeeded', 'failed', 'cancelled')
                               THEN now() END,
+           -- The outcome's event takes the run's next seq (docs/design.md, 11b): under the
+           -- row lock `fenced` holds, the function takes the run's ledger lock and reads
+           -- the last seq after it.
+           ledger_seq = wq_ledger_next_seq(r.id, r.ledger_seq),
            updated_at = now()
       FROM applying f
      WHERE r.id = f.id
-    RETURNING r.id
+    RETURNING r.id, r.ledger_seq
+), outcome AS (
+    -- The outcome's event as the attempt row holds it and wq_events still gets it.
+    SELECT f.id, f.attempt, f.kind, n.ledger_seq AS seq,
+           -- The event names the error; its traceback stays on the attempt and the run.
+           jsonb_strip_nulls(jsonb_build_object('error', f.error - 'traceback',
+                                                'spawn_at', f.spawn_at,
+                                                'wait_event', f.wait_event)) AS data
+      FROM applying f
+      JOIN runs n ON n.id = f.id
 ), jobs AS (
     -- The transport: finish the delivering jobs and spawn the next ones (retry, hand-back,
     -- wake), one call each for the batch. One row, read by the final SELECT so that it runs.
@@ -303,17 +322,15 @@ WITH input AS (
       FROM applying f
 ), attempts AS (
     UPDATE wq_attempts a
-       SET outcome = f.outcome::wq_attempt_outcome, error = f.error, finished_at = now()
+       SET outcome = f.outcome::wq_attempt_outcome, error = f.error, finished_at = now(),
+           end_seq = o.seq, end_kind = o.kind, end_data = o.data
       FROM applying f
+      JOIN outcome o ON o.id = f.id
      WHERE a.run_id = f.id AND a.attempt = f.attempt
 ), events AS (
-    INSERT INTO wq_events (run_id, attempt, kind, data)
-    SELECT f.id, f.attempt, f.kind,
-           -- The event names the error; its traceback stays on the attempt and the run.
-           jsonb_strip_nulls(jsonb_build_object('error', f.error - 'traceback',
-                                                'spawn_at', f.spawn_at,
-                                                'wait_event', f.wait_event))
-      FROM applying f
+    INSERT INTO wq_events (run_id, attempt, kind, data, seq)
+    SELECT o.id, o.attempt, o.kind, o.data, o.seq
+      FROM outcome o
 ), refused AS (
     -- Both checks are scalar subqueries, read per input row and the second only for a row
     -- the fence did not take (rare): as anti joins, a plan cached while wq_attempts was
@@ -361,12 +378,16 @@ SELECT i.run_id, i.attempt,
 -- unfinished state, skipping cleanup: the live attempt's writes are refused from then on.
 -- A repeated cancel is harmless (it re-notifies a running attempt); a finished run stays.
 WITH target AS (
-    SELECT id, state, job_id, attempt, cancel_requested_at
+    SELECT id, state, job_id, attempt, cancel_requested_at, ledger_seq
       FROM wq_runs
      WHERE id = %(run_id)s
        FOR UPDATE
 ), decided AS (
     SELECT t.*,
+           jsonb_strip_nulls(jsonb_build_object(
+               'reason', %(reason)s::text,
+               'forced', CASE WHEN %(force)s::boolean THEN true END,
+               'by', %(actor)s::text)) AS event_data,
            t.state IN ('queued', 'sleeping', 'running')
            AND (t.state = 'sleeping'
                 OR (t.state = 'queued' AND t.cancel_requested_at IS NULL)
@@ -374,6 +395,13 @@ WITH target AS (
            t.state IN ('queued', 'sleeping', 'running') AND t.cancel_requested_at IS NULL
                AS first_request
       FROM target t
+), numbered AS (
+    -- The event's seq, only when there is an event (docs/design.md, 11b): under the row
+    -- lock `target` holds, the function takes the run's ledger lock and reads the last seq
+    -- after it. A finished run, or a repeated request of a running one, takes nothing.
+    SELECT d.*, wq_ledger_next_seq(d.id, d.ledger_seq) AS next_seq
+      FROM decided d
+     WHERE d.now_ OR d.first_request
 ), req AS (
     UPDATE wq_runs r
        SET cancel_requested_at = coalesce(r.cancel_requested_at, now()),
@@ -384,10 +412,16 @@ WITH target AS (
            finished_at = CASE WHEN d.now_ THEN now() ELSE r.finished_at END,
            job_id = CASE WHEN d.now_ THEN NULL ELSE r.job_id END,
            wait_event = CASE WHEN d.now_ THEN NULL ELSE r.wait_event END,
+           ledger_seq = d.next_seq,
+           -- Cancelled now: the run row stands for its run_cancelled (no attempt writes it).
+           ledger_end_seq = CASE WHEN d.now_ THEN d.next_seq ELSE r.ledger_end_seq END,
+           ledger_end_kind = CASE WHEN d.now_ THEN 'run_cancelled' ELSE r.ledger_end_kind END,
+           ledger_end_data = CASE WHEN d.now_ THEN d.event_data ELSE r.ledger_end_data END,
+           ledger_end_at = CASE WHEN d.now_ THEN now() ELSE r.ledger_end_at END,
            updated_at = now()
-      FROM decided d
-     WHERE r.id = d.id AND (d.now_ OR d.first_request)
-    RETURNING r.id, r.state
+      FROM numbered d
+     WHERE r.id = d.id
+    RETURNING r.id, r.state, r.ledger_seq, d.event_data
 ), job AS (
     -- The run's job: a waiting one is cancelled; a forced cancel aborts a delivery in flight.
     -- One row, read by the final SELECT so that it runs.
@@ -402,13 +436,10 @@ WITH target AS (
      WHERE d.now_ AND d.state = 'running' AND a.run_id = d.id AND a.attempt = d.attempt
        AND a.outcome = 'running'
 ), event AS (
-    INSERT INTO wq_events (run_id, kind, data)
+    INSERT INTO wq_events (run_id, kind, data, seq)
     SELECT req.id,
            CASE WHEN req.state = 'cancelled' THEN 'run_cancelled' ELSE 'cancel_requested' END,
-           jsonb_strip_nulls(jsonb_build_object(
-               'reason', %(reason)s::text,
-               'forced', CASE WHEN %(force)s::boolean THEN true END,
-               'by', %(actor)s::text))
+           req.event_data, req.ledger_seq
       FROM req
 ), notify AS (
     -- Also for a repeated request: a worker that missed the first NOTIFY hears this one.
@@ -444,9 +475,10 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
 
 -- name: run_events :many
 -- The ledger of a run after a given seq, in seq order (commit order: a follower that reads
--- after the last seq it saw never misses an event).
+-- after the last seq it saw never misses an event). Read from the view over wq_events and
+-- the state rows (docs/design.md, 11b).
 SELECT id, run_id, seq, attempt, kind, data, idempotency_key, at
-  FROM wq_events
+  FROM wq_ledger
  WHERE run_id = %(run_id)s AND seq > %(after)s
  ORDER BY seq;
 

@@ -1,0 +1,276 @@
+"""The ledger view (``wq_ledger``) against the event table (docs/design.md, section 11b).
+
+The expand release writes every lifecycle event twice: on its state row (the attempt row,
+or the run row) and in ``wq_events``. These tests run the lifecycle's scenarios with the
+real statements and check, per run, that
+
+- the ledger read from the view (what ``worker events``, ``--follow``, the dashboard read)
+  is today's ledger read from ``wq_events`` alone: the same kinds, seqs, attempts, data and
+  order, gapless from 1; and
+- every event the state rows stand for (``wq_ledger_state``) is the ``wq_events`` row of its
+  (run_id, seq) in kind, attempt and data: what lets a later release stop the inserts.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+
+from queues import children, operator, runs
+from queues.options import RunOptions
+from queues.outcomes import cancelled, failed, succeeded, suspended
+from tests import attempts
+from tests.attempts import ORG, PLAY, T0
+
+Conn = psycopg.AsyncConnection[Any]
+Row = tuple[int, str, int | None, Any]  # seq, kind, attempt, data
+
+# The kinds the state rows stand for (design 11b); the scenarios below write each of them.
+STATE_KINDS = {
+    "run_created",
+    "attempt_started",
+    "cleanup_started",
+    "retry_scheduled",
+    "run_sleeping",
+    "run_waiting",
+    "lease_expired",
+    "run_succeeded",
+    "run_failed",
+    "run_cancelled",
+}
+
+
+async def _finish(conn: Conn, a: attempts.Attempt, f: Any) -> None:
+    status = await runs.finish(conn, worker_id=a.fence.owner, finishes=[f])
+    assert str(status[(a.run_id, a.fence.attempt)]) == "applied", status
+
+
+async def _claim(conn: Conn, run_id: uuid.UUID, *, minutes: int, play: str = PLAY) -> Any:
+    return await attempts.claim(
+        conn, now=T0 + timedelta(minutes=minutes), run_id=run_id, plays=(play,)
+    )
+
+
+async def _scenarios(conn: Conn) -> dict[str, uuid.UUID]:
+    """Every scenario of the issue, through the real statements; their runs by name."""
+    made: dict[str, uuid.UUID] = {}
+
+    # First, while no run is finished (the recovery pass's retention would delete those
+    # its far-future clock finds expired): a lapsed lease rescued by recovery, claimed
+    # again and finished; and a cleanup-only attempt (a cancel was requested of an attempt
+    # whose lease then lapsed). One rescue takes both.
+    lapsed = await attempts.start(conn)
+    doomed = await attempts.start(conn)
+    await runs.cancel(conn, doomed.run_id, reason="stop", actor="ops")
+    b = await attempts.supersede(conn, lapsed)
+    c = await attempts.claim(conn, now=b.now, run_id=doomed.run_id)
+    assert c.claimed.cleanup
+    await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
+    await _finish(conn, c, cancelled(c.run_id, c.fence.attempt, "stop"))
+    made["lapse"] = lapsed.run_id
+    made["cleanup"] = doomed.run_id
+    # Success.
+    a = await attempts.start(conn)
+    await _finish(conn, a, succeeded(a.run_id, a.fence.attempt, {"ok": 1}))
+    made["success"] = a.run_id
+
+    # A failure retried, then a success.
+    a = await attempts.start(conn)
+    retry = failed(
+        a.run_id,
+        a.fence.attempt,
+        {"code": "BOOM", "message": "boom", "traceback": "tb"},
+        a.claimed.retry,
+        now=T0,
+        failure=1,
+    )
+    assert retry.kind == "retry_scheduled"
+    await _finish(conn, a, retry)
+    b = await _claim(conn, a.run_id, minutes=30)
+    await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
+    made["retry"] = a.run_id
+
+    # A cancel of a running attempt, its hooks, its cancelled outcome.
+    a = await attempts.start(conn)
+    await runs.cancel(conn, a.run_id, reason="stop", actor="ops")
+    await _finish(conn, a, cancelled(a.run_id, a.fence.attempt, "stop"))
+    made["cancel_running"] = a.run_id
+
+    # A cancel of a queued run: the run row stands for its run_cancelled.
+    run_id = await attempts.admit(conn)
+    await runs.cancel(conn, run_id, reason="not needed", actor="ops")
+    made["cancel_queued"] = run_id
+    # Its job is stopped; nothing for a claim to take.
+
+    # A forced cancel of a running attempt.
+    a = await attempts.start(conn)
+    await runs.cancel(conn, a.run_id, reason="now", force=True, actor="ops")
+    made["cancel_forced"] = a.run_id
+
+    # Sleep and wake.
+    a = await attempts.start(conn)
+    wake = T0 + timedelta(minutes=1)
+    await _finish(conn, a, suspended(a.run_id, a.fence.attempt, wake_at=wake, wait_event=None))
+    b = await _claim(conn, a.run_id, minutes=40)
+    await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
+    made["sleep"] = a.run_id
+
+    # An event wait, woken by an emit.
+    a = await attempts.start(conn)
+    await _finish(conn, a, suspended(a.run_id, a.fence.attempt, wake_at=None, wait_event="paid"))
+    await runs.emit(conn, org=ORG, name="paid", payload={"n": 1})
+    b = await _claim(conn, a.run_id, minutes=50)
+    await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
+    made["wait"] = a.run_id
+
+    # A failure for good, retried by an operator, then a success.
+    a = await attempts.start(conn)
+    await _finish(
+        conn,
+        a,
+        failed(
+            a.run_id,
+            a.fence.attempt,
+            {"code": "BAD", "message": "bad"},
+            a.claimed.retry,
+            now=T0,
+            failure=1,
+            retryable=False,
+        ),
+    )
+    await operator.retry(conn, a.run_id, actor="ops", reason="fixed")
+    b = await _claim(conn, a.run_id, minutes=60)
+    await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
+    made["operator_retry"] = a.run_id
+
+    # A child run, spawned by a running attempt, run to success.
+    parent = await attempts.start(conn)
+    spawned = await children.spawn(
+        conn,
+        fence=parent.fence,
+        org=ORG,
+        parent_play=PLAY,
+        release=attempts.RELEASE,
+        step_key="$spawn:child",
+        play="child",
+        params={"n": 1},
+        options=RunOptions(max_attempts=2),
+        priority=-1,
+    )
+    await _finish(conn, parent, succeeded(parent.run_id, parent.fence.attempt, None))
+    c = await _claim(conn, spawned.run_id, minutes=70, play="child")
+    await _finish(conn, c, succeeded(c.run_id, c.fence.attempt, None))
+    made["parent"] = parent.run_id
+    made["child"] = spawned.run_id
+
+    return made
+
+
+async def _rows(conn: Conn, relation: str, run_id: uuid.UUID) -> list[Row]:
+    cur = await conn.execute(
+        f"SELECT seq, kind, attempt, data FROM {relation} WHERE run_id = %s ORDER BY seq",
+        (run_id,),
+    )
+    return [(int(s), k, a, d) for s, k, a, d in await cur.fetchall()]
+
+
+async def test_the_view_shows_each_runs_ledger_as_wq_events_does(conn: Conn) -> None:
+    made = await _scenarios(conn)
+    for name, run_id in made.items():
+        from_events = await _rows(conn, "wq_events", run_id)
+        from_view = await _rows(conn, "wq_ledger", run_id)
+        read = await runs.events(conn, run_id)  # what `worker events` and --follow read
+        assert from_view == from_events, name
+        assert [(e.seq, e.kind, e.attempt, e.data) for e in read] == from_events, name
+        assert [r[0] for r in from_events] == list(range(1, len(from_events) + 1)), name
+    # The scenarios' shapes, so a scenario that wrote nothing cannot pass.
+    kinds = {n: [k for _, k, _, _ in await _rows(conn, "wq_ledger", r)] for n, r in made.items()}
+    assert kinds["success"] == ["run_created", "attempt_started", "run_succeeded"]
+    assert kinds["retry"] == [
+        "run_created",
+        "attempt_started",
+        "retry_scheduled",
+        "attempt_started",
+        "run_succeeded",
+    ]
+    assert kinds["cancel_queued"] == ["run_created", "run_cancelled"]
+    assert kinds["cancel_running"] == [
+        "run_created",
+        "attempt_started",
+        "cancel_requested",
+        "run_cancelled",
+    ]
+    assert "event_received" in kinds["wait"] and "run_waiting" in kinds["wait"]
+    assert "run_sleeping" in kinds["sleep"]
+    assert "run_retried" in kinds["operator_retry"]
+    assert "child_spawned" in kinds["parent"]
+    assert "lease_expired" in kinds["lapse"]
+    assert "cleanup_started" in kinds["cleanup"]
+
+
+async def test_each_event_a_state_row_stands_for_is_the_row_wq_events_holds(conn: Conn) -> None:
+    made = await _scenarios(conn)
+    seen: set[str] = set()
+    for name, run_id in made.items():
+        events = {r[0]: r for r in await _rows(conn, "wq_events", run_id)}
+        synthesized = await _rows(conn, "wq_ledger_state", run_id)
+        seqs = [s for s, _, _, _ in synthesized]
+        assert len(seqs) == len(set(seqs)), f"{name}: two state rows claim one seq: {seqs}"
+        for row in synthesized:
+            assert row == events.get(row[0]), f"{name}: state row {row} vs wq_events"
+            seen.add(row[1])
+        # Every lifecycle event of wq_events has its state row (what the contract stops
+        # inserting), except those that only the previous release's statements write.
+        standing = {s for s, k, _, _ in events.values() if k in STATE_KINDS}
+        assert standing <= set(seqs), f"{name}: no state row for seqs {standing - set(seqs)}"
+    assert seen == STATE_KINDS
+
+
+async def test_a_run_numbered_before_the_counter_is_seeded_from_its_last_event(
+    conn: Conn,
+) -> None:
+    # A run admitted by the previous release's code path has no counter: the first
+    # statement that numbers an event starts after its last one.
+    run_id = await attempts.admit(conn)
+    await conn.execute(
+        "UPDATE wq_runs SET ledger_seq = NULL, created_lane = NULL WHERE id = %s", (run_id,)
+    )
+    await conn.execute(
+        "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'app.note', '{}')", (run_id,)
+    )
+    a = await attempts.claim(conn, run_id=run_id)
+    await _finish(conn, a, succeeded(a.run_id, a.fence.attempt, None))
+    view = await _rows(conn, "wq_ledger", run_id)
+    assert [(s, k) for s, k, _, _ in view] == [
+        (1, "run_created"),
+        (2, "app.note"),
+        (3, "attempt_started"),
+        (4, "run_succeeded"),
+    ]
+    assert view == await _rows(conn, "wq_events", run_id)
+    cur = await conn.execute("SELECT ledger_seq FROM wq_runs WHERE id = %s", (run_id,))
+    assert await cur.fetchone() == (4,)
+
+
+async def test_an_event_given_a_taken_seq_is_refused_as_a_serialization_failure(
+    conn: Conn,
+) -> None:
+    # The race the trigger guards: a writer took seq n from the counter while an older
+    # release's append (numbered without it) took n first.
+    a = await attempts.start(conn)
+    await conn.execute(
+        "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'app.note', '{}')", (a.run_id,)
+    )
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "INSERT INTO wq_events (run_id, kind, data, seq) VALUES (%s, 'x.y', '{}', 3)",
+                (a.run_id,),
+            )
+    except psycopg.errors.SerializationFailure as exc:
+        assert "next seq is 4" in str(exc)
+    else:
+        raise AssertionError("a taken seq was stored")
