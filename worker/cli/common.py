@@ -4,6 +4,7 @@ convention (``--json`` with ISO 8601 timestamps), the duration type and the exit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import sys
 import uuid
@@ -13,6 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 import psycopg
+import structlog
 
 from queues import fields, roles
 from queues.errors import InvalidField, WorkerError
@@ -56,11 +58,51 @@ class State:
 pass_state = click.make_pass_decorator(State)
 
 
+# What a command's end gives the tasks its coroutine left running (an attempt the worker
+# abandoned at the end of its grace, whose play swallows cancellation): asyncio.run would
+# wait for them without a bound, and a SIGTERM would not end the process.
+LEFTOVER_S = 1.0
+
+
 def run(coro: Awaitable[T]) -> T:
+    """Run a command's coroutine to its end, as ``asyncio.run`` does, except that the
+    teardown is bounded: tasks still running once it returned are cancelled, given
+    :data:`LEFTOVER_S`, then left (named in ``tasks_left_at_exit``). A command ends when
+    its own work does."""
+
     async def main() -> T:
         return await coro
 
-    return asyncio.run(main())
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        try:
+            _cancel_leftovers(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            with contextlib.suppress(TimeoutError):
+                loop.run_until_complete(
+                    asyncio.wait_for(loop.shutdown_default_executor(), LEFTOVER_S)
+                )
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _cancel_leftovers(loop: asyncio.AbstractEventLoop) -> None:
+    left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    if not left:
+        return
+    for task in left:
+        task.cancel()
+    _, pending = loop.run_until_complete(asyncio.wait(left, timeout=LEFTOVER_S))
+    if pending:
+        structlog.get_logger("worker.cli").error(
+            "tasks_left_at_exit",
+            tasks=sorted(task.get_name() for task in pending),
+            detail="they did not end when cancelled; the process exits without them",
+        )
 
 
 def connected(
