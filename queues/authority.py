@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import jwt
-
 from queues.errors import InvalidField, TokenInvalid
 from queues.fence import Fence
 
@@ -200,6 +198,8 @@ def mint(
         claims["spawn"] = sorted(set(may_spawn))
     if may_limit is not None:
         claims["limits"] = sorted(set(may_limit))
+    import jwt  # here, not at the top: admission and the CLI's other commands never sign
+
     return jwt.encode(claims, check_secret(secret), algorithm=ALGORITHM)
 
 
@@ -248,6 +248,8 @@ def verify(token: str | None, *, secret: str | bytes, now: datetime | None = Non
             "no token: the request carries no `Authorization: Bearer` credential",
             fix="send the attempt's token",
         )
+    import jwt  # here, not at the top: admission and the CLI's other commands never verify
+
     try:
         data = jwt.decode(
             token,

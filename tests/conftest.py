@@ -16,6 +16,7 @@ A missing database is a failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -31,10 +32,10 @@ import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from queues import migrations
-from tests import leftovers
+from tests import leftovers, scratch
 from worker import embedded
 
-SWEEP_ROOT = Path(tempfile.gettempdir()) / "worker-tests"
+SWEEP_ROOT = scratch.ROOT  # in RAM when there is room (tests/scratch.py)
 # One template per session: under pytest -n, sessions may share a server
 # (WORKER_TEST_DATABASE_URL), and each builds its own.
 TEMPLATE = f"wq_template_{os.getpid()}"
@@ -95,10 +96,8 @@ def pg_admin_url() -> Iterator[str]:
     if given:
         yield given
         return
-    SWEEP_ROOT.mkdir(parents=True, exist_ok=True)
-    SWEEP_ROOT.chmod(0o755)
     _sweep_leaked()
-    home = Path(tempfile.mkdtemp(prefix="run-", dir=SWEEP_ROOT))
+    home = Path(tempfile.mkdtemp(prefix="run-", dir=scratch.scratch()))
     home.chmod(0o755)
     (home / "owner.pid").write_text(str(os.getpid()))
     server = embedded.ensure_running(home)
@@ -138,15 +137,61 @@ async def drop_database(admin_url: str, name: str) -> None:
         await admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
-@pytest.fixture
-async def db_url(pg_admin_url: str, template_url: str) -> AsyncIterator[str]:
-    """A fresh clone of the migrated template, dropped after the test."""
-    name = f"wq_test_{os.getpid()}_{next(_counter)}"
-    url = await clone_database(pg_admin_url, name)
+class Clones:
+    """Clones of the template made one test ahead, and dropped after their test, on a
+    thread of their own: a test waits for neither (a clone and its drop cost a few tenths
+    of a second on a loaded server, and most tests that commit take one)."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="clones")
+        self.next: concurrent.futures.Future[str] = self.pool.submit(self._make)
+
+    def _admin(self) -> psycopg.Connection[Any]:
+        return psycopg.Connection.connect(self.admin_url, autocommit=True)
+
+    def _make(self) -> str:
+        name = f"wq_test_{os.getpid()}_{next(_counter)}"
+        with self._admin() as admin:
+            admin.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
+        return name
+
+    def _drop(self, name: str) -> None:
+        with self._admin() as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    async def take(self) -> str:
+        """A clone no test has used; the next one is started at once."""
+        name = await asyncio.wrap_future(self.next)
+        self.next = self.pool.submit(self._make)
+        return name
+
+    def give_back(self, name: str) -> None:
+        self.pool.submit(self._drop, name)
+
+    def close(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self._drop(self.next.result())
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def clones(pg_admin_url: str, template_url: str) -> Iterator[Clones]:
+    made = Clones(pg_admin_url)
     try:
-        yield url
+        yield made
     finally:
-        await drop_database(pg_admin_url, name)
+        made.close()
+
+
+@pytest.fixture
+async def db_url(pg_admin_url: str, clones: Clones) -> AsyncIterator[str]:
+    """A fresh clone of the migrated template, dropped after the test."""
+    name = await clones.take()
+    try:
+        yield with_dbname(pg_admin_url, name)
+    finally:
+        clones.give_back(name)
 
 
 @pytest.fixture

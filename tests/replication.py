@@ -10,7 +10,9 @@ is acknowledged only once the standby has it; without, replication is asynchrono
 :meth:`Pair.kill_primary` SIGKILLs the primary's postmaster (its backends notice and exit;
 any that linger are killed), :meth:`Pair.promote` runs ``pg_ctl promote`` on the standby,
 and :meth:`Pair.close` stops and removes everything, whatever state the test left. Every
-process of the pair carries the test session's mark (tests/leftovers.py).
+process of the pair carries the test session's mark (tests/leftovers.py). Its data
+directories go under tests/scratch.py's root, as do the embedded homes of
+tests/e2e/test_embedded.py and tests/e2e/test_cli_foundation.py.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from queues import migrations
+from tests.scratch import scratch
 from worker import embedded, postmaster
 
 STANDBY = "standby"  # its application_name, as synchronous_standby_names names it
@@ -199,7 +202,7 @@ async def failover_pair(*, synchronous: bool, dbname: str = "ha") -> AsyncIterat
     """A migrated database ``dbname`` on a primary with a streaming standby; see the
     module. Everything is stopped and removed on the way out. (Its setup blocks the event
     loop: nothing else runs yet.)"""
-    root = Path(tempfile.mkdtemp(prefix="failover-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="failover-", dir=scratch()))
     root.chmod(0o755)
     home = root / "primary"
     home.mkdir(mode=0o755)

@@ -5,6 +5,7 @@ Every test runs the installed console script in a subprocess, as an operator wou
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -24,6 +25,7 @@ import psycopg
 import pytest
 
 from queues import migrations
+from tests.scratch import scratch
 from worker import config, embedded
 from worker.cli import cli
 
@@ -53,6 +55,15 @@ def worker(
     return subprocess.run(
         [str(WORKER), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def workers_at_once(
+    *calls: tuple[str, ...], env: dict[str, str]
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run commands that only read (each its own process, as ``worker`` would) at the same
+    time; their results in the order given."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda args: worker(*args, env=env), calls))
 
 
 def assert_clean_error(res: subprocess.CompletedProcess[str], code: str, exit_code: int) -> None:
@@ -172,7 +183,7 @@ def test_help_lists_every_command_on_one_line(path: tuple[str, ...], group: clic
 
 @pytest.fixture
 def home() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="worker-cli-", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix="worker-cli-", dir=scratch()))
     path.chmod(0o755)
     try:
         yield path
@@ -182,8 +193,14 @@ def home() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+STATUS = ("db", "status", "--json")
+
+
 def _status(env: dict[str, str]) -> dict[str, Any]:
-    res = worker("db", "status", "--json", env=env)
+    return _parsed_status(worker(*STATUS, env=env))
+
+
+def _parsed_status(res: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert res.returncode == 0, res.stderr
     data: dict[str, Any] = json.loads(res.stdout)
     return data
@@ -208,10 +225,10 @@ def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     first = worker("migrate", env=env)
     assert first.returncode == 0, first.stderr
     assert f"applied {n} migration(s)" in first.stdout
-    check = worker("migrate", "--check", env=env)
+    check, shown = workers_at_once(("migrate", "--check"), STATUS, env=env)
     assert check.returncode == 0, check.stdout + check.stderr
     assert f"schema is current: version {contract.version}" in check.stdout
-    status = _status(env)
+    status = _parsed_status(shown)
     assert status["running"] is True
     assert status["datadir"] == str(home / "pgdata")
     pid = status["pid"]
@@ -221,8 +238,9 @@ def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     again = worker("migrate", env=env)
     assert again.returncode == 0, again.stderr
     assert "applied 0 migration(s)" in again.stdout
-    assert worker("migrate", "--check", env=env).returncode == 0
-    assert _status(env)["pid"] == pid
+    check, shown = workers_at_once(("migrate", "--check"), STATUS, env=env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert _parsed_status(shown)["pid"] == pid
 
     # kill -9 the postmaster: the next command restarts it (crash recovery) and the data stays.
     pidfd = os.pidfd_open(pid)
@@ -242,8 +260,10 @@ def test_embedded_default_migrate_reuse_and_crash_recovery(home: Path) -> None:
     stop = worker("db", "stop", env=env)
     assert stop.returncode == 0, stop.stderr
     assert stop.stdout.strip() == "stopped"
-    assert _status(env)["running"] is False
-    assert worker("db", "stop", env=env).stdout.strip() == "not running"
+    # Both only look now: nothing runs.
+    shown, stop_again = workers_at_once(STATUS, ("db", "stop"), env=env)
+    assert _parsed_status(shown)["running"] is False
+    assert stop_again.stdout.strip() == "not running"
 
 
 @pytest.mark.parametrize(
@@ -272,14 +292,17 @@ def test_db_url_gives_each_role_its_own_login_and_status_hides_the_secret(home: 
     migrated = worker("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
 
+    roles = ("worker", "admission", "reader")
+    *got, default = workers_at_once(
+        *(("db", "url", "--role", role) for role in roles), ("db", "url"), env=env
+    )
     urls = {}
-    for role in ("worker", "admission", "reader"):
-        got = worker("db", "url", "--role", role, env=env)
-        assert got.returncode == 0, got.stderr
-        urls[role] = got.stdout.strip()
+    for role, res in zip(roles, got, strict=True):
+        assert res.returncode == 0, res.stderr
+        urls[role] = res.stdout.strip()
         assert urls[role].startswith(f"postgresql://wq_{role}:"), urls[role]
         assert secret not in urls[role]  # a password of its own (derived), not the secret
-    assert worker("db", "url", env=env).stdout.strip() == urls["worker"]  # the default
+    assert default.stdout.strip() == urls["worker"]  # the default
     with psycopg.connect(urls["worker"]) as conn:
         assert conn.execute("SELECT current_user").fetchone() == ("wq_worker",)
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -294,11 +317,11 @@ def test_db_url_gives_each_role_its_own_login_and_status_hides_the_secret(home: 
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             conn.execute("DELETE FROM wq_runs")
 
-    for args in (("db", "status"), ("db", "status", "--json")):
-        shown = worker(*args, env=env)
-        assert shown.returncode == 0, shown.stderr
-        assert secret not in shown.stdout + shown.stderr
-    status = _status(env)
+    *listed, shown = workers_at_once(("db", "status"), STATUS, STATUS, env=env)
+    for res in listed:
+        assert res.returncode == 0, res.stderr
+        assert secret not in res.stdout + res.stderr
+    status = _parsed_status(shown)
     assert status["url"] == owner.replace(f":{secret}@", "@")
     assert status["secret_file"] == str(home / "secret")
 

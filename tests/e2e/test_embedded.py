@@ -1,4 +1,11 @@
-"""End-to-end tests of the embedded Postgres: real initdb, real postmasters, real kill -9."""
+"""End-to-end tests of the embedded Postgres: real initdb, real postmasters, real kill -9.
+
+The tests about the first start (initdb, the secret's creation, concurrent first starts)
+start from an empty home. Every other test starts from a copy of one home that a first
+:func:`ensure_running` made and :func:`stop` stopped (``made_home``): the same state an
+initdb per test would leave, without an initdb per test. Likewise the data directories
+from before passwords are copies of one made with ``initdb --auth=trust``.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 from structlog.testing import capture_logs
 
+from tests.scratch import scratch
 from worker import embedded, postmaster
 from worker.embedded import EmbeddedPostgresError, default_home, ensure_running, status, stop
 
@@ -39,7 +47,7 @@ CHILD = (
 
 
 def _new_home() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="worker-embedded-", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix="worker-embedded-", dir=scratch()))
     path.chmod(0o755)
     return path
 
@@ -50,10 +58,40 @@ def _cleanup(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _copy_home(source: Path, target: Path) -> None:
+    """Copy a stopped home into ``target`` as it is: owners and modes kept (the data
+    directory the server's user's, mode 0700; the secret ours, mode 0600)."""
+    subprocess.run(["cp", "-a", f"{source}/.", str(target)], check=True, timeout=60)
+
+
 @pytest.fixture
-def home() -> Iterator[Path]:
+def empty_home() -> Iterator[Path]:
+    """A home with nothing in it yet: for the first start itself."""
     path = _new_home()
     try:
+        yield path
+    finally:
+        _cleanup(path)
+
+
+@pytest.fixture(scope="module")
+def made_home() -> Iterator[Path]:
+    """A home as a first start leaves it (its cluster, secret and embedded.json), stopped."""
+    path = _new_home()
+    try:
+        ensure_running(path)
+        assert stop(path) is True
+        yield path
+    finally:
+        _cleanup(path)
+
+
+@pytest.fixture
+def home(made_home: Path) -> Iterator[Path]:
+    """A home whose server was made and stopped: a copy of ``made_home``."""
+    path = _new_home()
+    try:
+        _copy_home(made_home, path)
         yield path
     finally:
         _cleanup(path)
@@ -115,7 +153,8 @@ def test_default_home_honours_worker_home(monkeypatch: pytest.MonkeyPatch) -> No
     assert str(default_home()).endswith(expected)
 
 
-def test_first_start_reuse_and_persistence(home: Path) -> None:
+def test_first_start_reuse_and_persistence(empty_home: Path) -> None:
+    home = empty_home
     server = ensure_running(home)
     secret = (home / "secret").read_text().strip()
     assert server.url() == f"postgresql://postgres:{secret}@127.0.0.1:{server.port}/worker"
@@ -162,7 +201,8 @@ def test_second_process_reuses_server(home: Path) -> None:
     assert _parse_child(proc.stdout, proc.stderr) == {"pid": server.pid, "port": server.port}
 
 
-def test_concurrent_first_start_shares_one_server(home: Path) -> None:
+def test_concurrent_first_start_shares_one_server(empty_home: Path) -> None:
+    home = empty_home
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD, str(home)],
@@ -392,7 +432,8 @@ def _refusal_text(conninfo: str) -> str:
     return "connected"
 
 
-def test_password_required_and_secret_private(home: Path) -> None:
+def test_password_required_and_secret_private(empty_home: Path) -> None:
+    home = empty_home
     with capture_logs() as logs:
         server = ensure_running(home)
     info = (home / "secret").stat()
@@ -495,47 +536,73 @@ def test_wrong_secret_is_refused_and_server_kept(home: Path) -> None:
 # ---- data directories from before passwords -------------------------------------------------
 
 
-def _trust_cluster(home: Path, *, running: bool) -> int:
-    """A data directory as versions before passwords made it: initdb --auth=trust, no secret,
-    embedded.json without "auth". Returns its port."""
+def _pg(home: Path, program: str, *args: str) -> None:
+    """Run a Postgres binary as the embedded server runs them (as its user, when root)."""
     pw = embedded._target_user()
     bindir = embedded._resolve_bindir(pw)
-    encoding = ("--encoding=UTF8", "--no-locale")  # as those versions ran initdb
-    datadir, logdir = home / "pgdata", home / "log"
+    rc, out = embedded._run([str(bindir / program), *args], pw, cwd=home, timeout=120)
+    assert rc == 0, out
 
-    def run(program: str, *args: str) -> None:
-        rc, out = embedded._run([str(bindir / program), *args], pw, cwd=home, timeout=120)
-        assert rc == 0, out
 
-    for directory, mode in ((datadir, 0o700), (logdir, 0o755)):
-        directory.mkdir(mode=mode)
-        if pw is not None:
-            os.chown(directory, pw.pw_uid, pw.pw_gid)
-    run("initdb", "-D", str(datadir), "--auth=trust", "-U", "postgres", *encoding)
-    with open(datadir / "postgresql.conf", "a", encoding="utf-8") as conf:
-        conf.write(embedded._CONF)
+def _start_trusting(home: Path, port: int) -> None:
+    datadir, log_file = str(home / "pgdata"), str(home / "log" / "postgres.log")
+    _pg(home, "pg_ctl", "start", "-w", "-D", datadir, "-l", log_file, "-o", f"-p {port}")
+
+
+@pytest.fixture(scope="module")
+def made_trust_home() -> Iterator[Path]:
+    """A data directory as versions before passwords made it: initdb --auth=trust, no
+    secret, embedded.json without "auth"; with the marker table, stopped."""
+    home = _new_home()
+    try:
+        pw = embedded._target_user()
+        encoding = ("--encoding=UTF8", "--no-locale")  # as those versions ran initdb
+        datadir, logdir = home / "pgdata", home / "log"
+        for directory, mode in ((datadir, 0o700), (logdir, 0o755)):
+            directory.mkdir(mode=mode)
+            if pw is not None:
+                os.chown(directory, pw.pw_uid, pw.pw_gid)
+        _pg(home, "initdb", "-D", str(datadir), "--auth=trust", "-U", "postgres", *encoding)
+        with open(datadir / "postgresql.conf", "a", encoding="utf-8") as conf:
+            conf.write(embedded._CONF)
+        port = embedded._bindable(0)
+        assert port is not None
+        _start_trusting(home, port)
+        with psycopg.connect(_client(port, None, dbname="postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE worker")
+        _create_marker(_client(port, None))
+        meta = {
+            "bindir": str(embedded._resolve_bindir(pw)),
+            "major_version": int((datadir / "PG_VERSION").read_text()),
+            "port": port,
+            "created_at": "2025-01-01T00:00:00+00:00",
+        }
+        (home / "embedded.json").write_text(json.dumps(meta))
+        _pg(home, "pg_ctl", "stop", "-D", str(datadir), "-m", "fast", "-w")
+        yield home
+    finally:
+        _cleanup(home)
+
+
+def _trust_cluster(made: Path, home: Path, *, running: bool) -> int:
+    """A copy of the trusting data directory ``made`` in ``home``, its port a free one,
+    started when ``running``. Returns its port."""
+    _copy_home(made, home)
     port = embedded._bindable(0)
     assert port is not None
-    log_file = str(logdir / "postgres.log")
-    run("pg_ctl", "start", "-w", "-D", str(datadir), "-l", log_file, "-o", f"-p {port}")
-    with psycopg.connect(_client(port, None, dbname="postgres"), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE worker")
-    _create_marker(_client(port, None))
-    meta = {
-        "bindir": str(bindir),
-        "major_version": int((datadir / "PG_VERSION").read_text()),
-        "port": port,
-        "created_at": "2025-01-01T00:00:00+00:00",
-    }
-    (home / "embedded.json").write_text(json.dumps(meta))
-    if not running:
-        run("pg_ctl", "stop", "-D", str(datadir), "-m", "fast", "-w")
+    meta = json.loads((home / "embedded.json").read_text())
+    (home / "embedded.json").write_text(json.dumps(meta | {"port": port}))
+    if running:
+        _start_trusting(home, port)
     return port
 
 
 @pytest.mark.parametrize("running", [True, False], ids=["live", "stopped"])
-def test_trust_data_directory_moves_to_the_password(home: Path, running: bool) -> None:
-    port = _trust_cluster(home, running=running)
+def test_trust_data_directory_moves_to_the_password(
+    empty_home: Path, made_trust_home: Path, running: bool
+) -> None:
+    home = empty_home
+    port = _trust_cluster(made_trust_home, home, running=running)
     assert any(rule[-1] == "trust" for rule in _hba_rules(home))
     pid = None
     if running:
@@ -570,10 +637,11 @@ def test_trust_data_directory_moves_to_the_password(home: Path, running: bool) -
     assert _read_marker(again.url()) == 42
 
 
-def test_interrupted_trust_migration_is_finished(home: Path) -> None:
+def test_interrupted_trust_migration_is_finished(empty_home: Path, made_trust_home: Path) -> None:
     """The worst moment to die: the secret written and pg_hba.conf replaced, but the running
     server never reloaded it, so it still trusts everyone."""
-    port = _trust_cluster(home, running=True)
+    home = empty_home
+    port = _trust_cluster(made_trust_home, home, running=True)
     _write_secret(home, "a-secret-from-the-interrupted-run")
     _write_as_server(home / "pgdata" / "pg_hba.conf", embedded._HBA.encode())
     with psycopg.connect(_client(port, None)) as conn:
@@ -585,8 +653,9 @@ def test_interrupted_trust_migration_is_finished(home: Path) -> None:
     assert _read_marker(server.url()) == 42
 
 
-def test_pg_hba_elsewhere_that_trusts_is_refused(home: Path) -> None:
-    _trust_cluster(home, running=False)
+def test_pg_hba_elsewhere_that_trusts_is_refused(empty_home: Path, made_trust_home: Path) -> None:
+    home = empty_home
+    _trust_cluster(made_trust_home, home, running=False)
     datadir = home / "pgdata"
     trusting = datadir / "other_hba.conf"
     _write_as_server(trusting, (datadir / "pg_hba.conf").read_bytes())

@@ -4,9 +4,11 @@ deaths in a row with nothing settled, on three workers, make a poison run, which
 with ``RUN_KILLS_WORKERS`` while the other runs on the lane keep flowing.
 
 Real worker processes: the ``kills-its-worker`` play SIGKILLs the process it runs in; the
-test restarts a worker after each death, as a supervisor would, and runs recovery passes
-(a dead worker's liveness lock is gone at once, so its runs are rescued without waiting
-for the lease to expire)."""
+test restarts a worker after each death, as a supervisor would, and runs recovery passes.
+What is counted is the lapses, not how each is noticed, so the lane's timers are short: a
+2 s lease (a dead worker's run is rescued when it lapses, before the 10 s of silence the
+liveness rule waits for) and no retry backoff, so a death costs about a lease and a
+worker's start, which overlap. The defaults a lane gets are asserted first."""
 
 from __future__ import annotations
 
@@ -27,8 +29,10 @@ async def test_a_run_that_kills_its_workers_fails_and_the_lane_keeps_flowing(
 ) -> None:
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
         await conn.execute(SIDE_EFFECTS_DDL)
-        await lanes.prepare(conn, "t")
-        await lanes.set_policy(conn, "t", lease_ttl_s=5.0, heartbeat_s=0.5)
+        lane = await lanes.prepare(conn, "t")
+        # What a lane gets unless told: a 30 s lease renewed every 5 s, a 2 s first retry.
+        assert (lane.lease_ttl_s, lane.heartbeat_s, lane.retry_base_s) == (30.0, 5.0, 2.0)
+        await lanes.set_policy(conn, "t", lease_ttl_s=2.0, heartbeat_s=0.5, retry_base_s=0.0)
     poison = await submit(db_url, "kills-its-worker", {}, release="t")
     healthy = [await submit(db_url, "sleeper", {"seconds": 0.2}, release="t") for _ in range(6)]
 

@@ -10,6 +10,13 @@ worker's peer check (every heartbeat period) rescues its leases. The lanes here 
 The paused-worker test is the zombie test of this path: a SIGSTOPped worker keeps its
 session and its lock, so however long it is silent, nobody rescues its runs, and after
 SIGCONT it finishes them itself, each in its first attempt.
+
+Both tests age the worker's last beat past those 10 s (:func:`age_last_beat`) instead of
+waiting them out: its process is killed or stopped, so nothing else writes the beat, and
+the database tells a silent worker from a recent one by that beat alone (the 10 s bound
+itself is tests/db/test_liveness.py's). What the processes do is what they did: the
+session of a killed one ends, a stopped one's lives, and a live worker's own peer checks
+decide.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,7 +33,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import lanes
+from queues import lanes, recovery
 from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
 from tests.workers import eventually, fetch, running_worker, submit, worker_process
 
@@ -96,6 +104,27 @@ async def wait_succeeded(url: str, n: int) -> None:
     await eventually(done, timeout=60)
 
 
+async def age_last_beat(url: str, worker_id: str) -> None:
+    """Move ``worker_id``'s last heartbeat back past the 10 s of silence after which a
+    worker whose liveness lock nobody holds is gone (migration 0024), as if its process
+    had been silent that long. Never to before the server started: a beat from before it
+    is a restart's, never gone (then the rest of the silence is waited out for real). The
+    process must be killed or stopped, so it beats no more. A stopped one could hold its
+    row in an open transaction: then the row is left to age in real time."""
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        try:
+            async with conn.transaction():
+                await conn.execute("SET LOCAL lock_timeout = '2s'")
+                await conn.execute(
+                    "UPDATE wq_workers SET heartbeat_at = greatest("
+                    " heartbeat_at - interval '11 seconds',"
+                    " pg_postmaster_start_time() + interval '1 millisecond') WHERE id = %s",
+                    (worker_id,),
+                )
+        except psycopg.errors.LockNotAvailable:
+            pass
+
+
 async def claimed_by_one_worker(url: str, run_ids: list[uuid.UUID], started: int) -> str:
     """Wait until one worker holds every run (``started`` of them running, the rest ahead);
     returns its id."""
@@ -129,6 +158,7 @@ async def test_runs_claimed_ahead_by_a_killed_worker_are_rescued_within_seconds(
         a.wait()
     # Ten runs A claimed ahead never started; two did.
     assert sorted(attempt for _, attempt, _ in await starts(db_url)) == [1, 1]
+    await age_last_beat(db_url, owner)
 
     async with running_worker(db_url, registry, release="t", concurrency=12):
         # Within a minute of the kill, on 300 s leases: the owner was gone, not its lease.
@@ -158,6 +188,17 @@ async def test_a_paused_worker_keeps_its_runs_however_long_it_is_silent(
     db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PREFETCH_DB_URL", db_url)
+    # Every peer check B makes: when it began, and what it rescued.
+    checks: list[tuple[float, list[recovery.Rescued]]] = []
+    rescue_gone = recovery.rescue_gone
+
+    async def peer_check(conn: Any, **kwargs: Any) -> list[recovery.Rescued]:
+        began = time.monotonic()
+        rescued = await rescue_gone(conn, **kwargs)
+        checks.append((began, rescued))
+        return rescued
+
+    monkeypatch.setattr(recovery, "rescue_gone", peer_check)
     await prepare(db_url)
     run_ids = await submit_held(db_url, 6, hold_s=2)
     a = start_worker(db_url, tmp_path, concurrency=2, prefetch=4)
@@ -165,19 +206,31 @@ async def test_a_paused_worker_keeps_its_runs_however_long_it_is_silent(
         owner = await claimed_by_one_worker(db_url, run_ids, started=2)
         a.send_signal(signal.SIGSTOP)
         async with running_worker(db_url, registry, release="t", concurrency=6):
+            await age_last_beat(db_url, owner)
 
             async def silent_past_gone() -> bool:
+                # The rule that makes a worker gone (migration 0024), but for its lock.
                 rows = await fetch(
                     db_url,
-                    "SELECT heartbeat_at < now() - interval '13 seconds'"
-                    " FROM wq_workers WHERE id = %s",
+                    "SELECT heartbeat_at < now() - interval '10 seconds'"
+                    " AND heartbeat_at > pg_postmaster_start_time()"
+                    " AND liveness_key IS NOT NULL FROM wq_workers WHERE id = %s",
                     (owner,),
                 )
                 return bool(rows[0][0])
 
-            # Silent past the 10 s a gone worker needs, and three peer checks later: A's
-            # session (and lock) lives, so its runs are still its own.
-            await eventually(silent_past_gone, timeout=40, interval=0.5)
+            # Silent past the 10 s a gone worker needs: only A's session, which holds its
+            # lock, keeps its runs its own. A peer check of B's that began after that is
+            # the one that would rescue them (A does not change while it is stopped, so
+            # one such check asks what any later one would).
+            await eventually(silent_past_gone, timeout=40, interval=0.2)
+            silent_since = time.monotonic()
+
+            async def checked_since() -> bool:
+                return any(began > silent_since for began, _ in checks)
+
+            await eventually(checked_since, timeout=30, interval=0.1)
+            assert [rescued for _, rescued in checks] == [[]] * len(checks)
             assert await owners(db_url, run_ids) == {owner: 6}
             a.send_signal(signal.SIGCONT)
 

@@ -12,7 +12,7 @@ import click
 from queues import metrics as metrics_mod
 from queues import migrations, totals
 from queues.errors import InvalidField
-from worker import config, db, demo_run, embedded, metrics_http
+from worker import config, db, embedded, metrics_http
 from worker.cli.common import (
     Conn,
     Duration,
@@ -367,6 +367,8 @@ def metrics(state: State, fmt: str, window: float, as_json: bool) -> None:
 @pass_state
 def demo(state: State, rows: int) -> None:
     """Migrate, start a worker, enrich a bundled sample live, summarise, shut down."""
+    from worker import demo_run  # it imports the whole runtime: the other commands here don't
+
     sys.exit(
         run(
             demo_run.run_demo(
