@@ -47,9 +47,21 @@ What the seven points prove (A's late write, and what must hold):
   refused (a ``limit`` refusal; the block swallows it), then its row completion (``rows``).
   No permit of attempt 1 is left; the limit holds none now.
 
-Nothing waits on a timer for a state: every wait polls the database (or a log file) with
-a deadline. No assertion is about wall-clock time; timestamps are only compared with each
-other (the close of attempt 1 against the writes).
+Worker A is the console script, ``worker start``. The processes that come after A is
+stopped (the recovery pass, worker B, ``worker metrics``, and ``worker cancel`` for the
+``cancel`` point) are *started ahead* (:data:`AHEAD`): an interpreter with the command's
+arguments, environment and session imports the command (and hands the secrets off, as
+``worker start`` and ``worker recover`` do before their command is loaded) while the test
+waits for something else, A's lease to lapse; then it waits for the test's go and runs the
+console script's own function, ``worker.cli.main``. Python's start-up overlaps that wait
+instead of coming between the scenario's steps; what each command does, and when, is the
+same.
+
+Nothing waits on a timer for a state: every wait polls the database (through one
+connection) or a log file with a deadline; the wait for A's lease to lapse first sleeps
+until the expiry the database holds for that lease, then polls. No assertion is about
+wall-clock time; timestamps are only compared with each other (the close of attempt 1
+against the writes).
 """
 
 from __future__ import annotations
@@ -62,10 +74,10 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import psycopg
 
@@ -74,15 +86,36 @@ from tests.apps.zombie import LIMIT, URL_ENV, ZOMBIE_DDL
 from tests.workers import submit
 
 T = TypeVar("T")
+Conn = psycopg.AsyncConnection[Any]
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
 APP = "tests.apps.zombie:registry"
 RELEASE = "zombie"
 LEASE_TTL_S = 2.0
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 0.25
 ROWS = 5
 DEADLINE_S = 30.0
 TERMINAL = {"succeeded", "failed", "cancelled"}
+
+# A `worker` command started ahead (``python -c AHEAD '[argv0, command, args]'``): what the
+# console script does before it gets to the command (import the CLI; for the commands
+# that hand their secrets off, that hand-off, which re-executes this same script without
+# them; the command's module), then, on the go line on stdin, the console script's own
+# function with the command's arguments. Any other line (stdin closed): exit, having run
+# nothing.
+AHEAD = """\
+import importlib, json, sys
+from worker import cli, config
+argv0, command, args = json.loads(sys.argv[1])
+if command in cli.HAND_OFF:
+    config.hand_off_secrets()
+importlib.import_module("worker.cli." + cli.COMMANDS[command].partition(":")[0])
+if sys.stdin.readline() != "go\\n":
+    sys.exit(0)
+sys.argv = [argv0, *args]
+sys.exit(cli.main())
+"""
+GO = b"go\n"
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -120,15 +153,73 @@ async def cli(db_url: str, *args: str) -> str:
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
+    return await finished(proc, args)
+
+
+async def finished(
+    proc: asyncio.subprocess.Process, args: Sequence[str], go: bytes | None = None
+) -> str:
+    """Wait for a command (sent ``go`` first, if given) to end; its stdout (it must exit
+    0). Killed with its group if it is still there at the deadline."""
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), DEADLINE_S)
+        out, err = await asyncio.wait_for(proc.communicate(go), DEADLINE_S)
     finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+        await kill(proc)
     assert proc.returncode == 0, f"worker {' '.join(args)} exited {proc.returncode}: {err!r}"
     return out.decode()
+
+
+async def kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGKILL the process's group unless it has ended; wait for it."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+async def start_ahead(
+    db_url: str, args: list[str], stdout: int | IO[Any], stderr: int | IO[Any]
+) -> asyncio.subprocess.Process:
+    """``worker ARGS`` started ahead (:data:`AHEAD`), in its own session: it runs the
+    command once sent :data:`GO` on its stdin."""
+    command = next(a for a in args if not a.startswith("-"))
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        AHEAD,
+        json.dumps([WORKER, command, args]),
+        cwd=REPO,
+        env=cli_env(db_url),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+    )
+
+
+@dataclass
+class Command:
+    """A `worker` command started ahead (:func:`command_ahead`)."""
+
+    args: tuple[str, ...]
+    proc: asyncio.subprocess.Process
+
+    async def run(self) -> str:
+        """Run the command to its end; returns its stdout (it must exit 0)."""
+        return await finished(self.proc, self.args, GO)
+
+
+@contextlib.asynccontextmanager
+async def command_ahead(db_url: str, *args: str) -> AsyncIterator[Command]:
+    """``worker ARGS`` started ahead: :meth:`Command.run` runs it; killed on the way out
+    if it is still there (not run, or past its deadline)."""
+    proc = await start_ahead(
+        db_url, list(args), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        yield Command(args, proc)
+    finally:
+        await kill(proc)
 
 
 @dataclass
@@ -137,6 +228,7 @@ class Worker:
     proc: asyncio.subprocess.Process
     log: Path
     worker_id: str = ""
+    ready: Path | None = None  # its ready file (--ready-file)
 
     def signal(self, sig: signal.Signals) -> None:
         """Signal the worker's whole process group (it is a session leader)."""
@@ -166,17 +258,55 @@ class Worker:
             and e.get("attempt") == attempt
         ]
 
+    async def until_ready(self) -> None:
+        """Wait for its ready file; take its worker id from it."""
+        assert self.ready is not None
+        ready = self.ready
+
+        async def is_ready() -> str | None:
+            if self.proc.returncode is not None:
+                raise AssertionError(
+                    f"worker {self.name} exited {self.proc.returncode}: {self.log.read_text()}"
+                )
+            with contextlib.suppress(OSError, ValueError):
+                return str(json.loads(ready.read_text())["worker_id"])
+            return None
+
+        self.worker_id = await eventually(is_ready, f"worker {self.name} to be ready")
+
+    async def go(self) -> None:
+        """Run the command of a worker started ahead (:func:`worker` with ``ahead``), and
+        wait until it reported ready."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it exited: said next
+            self.proc.stdin.write(GO)
+            await self.proc.stdin.drain()
+        self.proc.stdin.close()
+        await self.until_ready()
+
 
 @contextlib.asynccontextmanager
-async def worker(db_url: str, tmp_path: Path, name: str) -> AsyncIterator[Worker]:
-    """A `worker start` subprocess (its own session) that reported ready. On the way out,
-    whatever happened: SIGCONT (it may be stopped), SIGTERM, and SIGKILL at the deadline."""
+async def worker(
+    db_url: str, tmp_path: Path, name: str, *, ahead: bool = False
+) -> AsyncIterator[Worker]:
+    """A `worker start` subprocess (its own session) that reported ready; with ``ahead``,
+    one started ahead, which :meth:`Worker.go` runs. On the way out, whatever happened:
+    SIGCONT (it may be stopped), SIGTERM, and SIGKILL at the deadline."""
     ready = tmp_path / f"{name}.ready"
-    command = [WORKER, "--json-logs", "start", "--release", RELEASE, "--app", APP]
-    async with spawned(
-        db_url, tmp_path, name, [*command, "--grace", "1", "--ready-file", str(ready)], ready
-    ) as w:
+    args = ["--json-logs", "start", "--release", RELEASE, "--app", APP]
+    args += ["--grace", "1", "--ready-file", str(ready)]
+    if not ahead:
+        async with spawned(db_url, tmp_path, name, [WORKER, *args], ready) as w:
+            yield w
+        return
+    log_path = tmp_path / f"{name}.log"
+    with log_path.open("wb") as log_file:
+        proc = await start_ahead(db_url, args, stdout=log_file, stderr=log_file)
+    w = Worker(name, proc, log_path, ready=ready)
+    try:
         yield w
+    finally:
+        await stop(w)
 
 
 @contextlib.asynccontextmanager
@@ -195,17 +325,9 @@ async def spawned(
             stderr=log_file,
             start_new_session=True,
         )
-    w = Worker(name, proc, log_path)
+    w = Worker(name, proc, log_path, ready=ready)
     try:
-
-        async def is_ready() -> str | None:
-            if proc.returncode is not None:
-                raise AssertionError(f"worker {name} exited {proc.returncode}: {w.log.read_text()}")
-            with contextlib.suppress(OSError, ValueError):
-                return str(json.loads(ready.read_text())["worker_id"])
-            return None
-
-        w.worker_id = await eventually(is_ready, f"worker {name} to be ready")
+        await w.until_ready()
         yield w
     finally:
         await stop(w)
@@ -243,35 +365,41 @@ async def eventually(
         await asyncio.sleep(0.02)
 
 
-async def fetch(url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
-    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+async def fetch(db: str | Conn, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """The rows of ``sql``, through the connection ``db`` or one of its own to URL ``db``
+    (a scenario polls through one connection: a connection per poll costs the database a
+    backend each time)."""
+    if not isinstance(db, str):
+        cur = await db.execute(sql, params)
+        return await cur.fetchall()
+    async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
         cur = await conn.execute(sql, params)
         return await cur.fetchall()
 
 
-async def one(url: str, sql: str, params: Any = None) -> Any:
-    rows = await fetch(url, sql, params)
+async def one(db: str | Conn, sql: str, params: Any = None) -> Any:
+    rows = await fetch(db, sql, params)
     return rows[0][0] if rows else None
 
 
-async def marks(url: str, run_id: uuid.UUID, mark: str) -> list[int]:
+async def marks(db: str | Conn, run_id: uuid.UUID, mark: str) -> list[int]:
     """The attempts that recorded ``mark``, in order."""
     rows = await fetch(
-        url,
+        db,
         "SELECT attempt FROM zombie_marks WHERE run_id = %s AND mark = %s ORDER BY id",
         (run_id, mark),
     )
     return [int(a) for (a,) in rows]
 
 
-async def wait_mark(url: str, run_id: uuid.UUID, mark: str, attempt: int = 1) -> None:
+async def wait_mark(db: str | Conn, run_id: uuid.UUID, mark: str, attempt: int = 1) -> None:
     async def seen() -> bool:
-        return attempt in await marks(url, run_id, mark)
+        return attempt in await marks(db, run_id, mark)
 
     await eventually(seen, f"mark {mark!r} of attempt {attempt}")
 
 
-async def snapshot(url: str, run_id: uuid.UUID) -> dict[str, list[tuple[Any, ...]]]:
+async def snapshot(db: str | Conn, run_id: uuid.UUID) -> dict[str, list[tuple[Any, ...]]]:
     """Everything of the run an attempt's writes could change."""
     queries = {
         "run": "SELECT state::text, attempt, result, error, lease_owner, lease_expires_at, "
@@ -292,12 +420,12 @@ async def snapshot(url: str, run_id: uuid.UUID) -> dict[str, list[tuple[Any, ...
         # The test's database is its own: every bucket is one of its limits.
         "buckets": "SELECT key, org, tat FROM wq_limit_buckets ORDER BY key, org",
     }
-    return {name: await fetch(url, sql, {"id": run_id}) for name, sql in queries.items()}
+    return {name: await fetch(db, sql, {"id": run_id}) for name, sql in queries.items()}
 
 
-async def refusals(url: str, run_id: uuid.UUID) -> list[tuple[int, str, int]]:
+async def refusals(db: str | Conn, run_id: uuid.UUID) -> list[tuple[int, str, int]]:
     rows = await fetch(
-        url,
+        db,
         "SELECT attempt, kind, rows FROM wq_refusals WHERE run_id = %s ORDER BY id",
         (run_id,),
     )
@@ -324,14 +452,32 @@ class Zombie:
     exits: dict[str, int] = field(default_factory=dict)
 
 
-async def lease_lapsed(url: str, run_id: uuid.UUID) -> bool:
+async def lease_lapsed(db: str | Conn, run_id: uuid.UUID) -> bool:
     return bool(
         await one(
-            url,
+            db,
             "SELECT state = 'running' AND lease_expires_at < now() FROM wq_runs WHERE id = %s",
             (run_id,),
         )
     )
+
+
+async def until_lapsed(conn: Conn, run_id: uuid.UUID) -> None:
+    """Wait for the lease of the run's attempt to lapse, its worker stopped: sleep until
+    the expiry the database holds (nothing renews it any more), then poll."""
+    left = await one(
+        conn,
+        "SELECT extract(epoch FROM lease_expires_at - clock_timestamp())::float8"
+        " FROM wq_runs WHERE id = %s",
+        (run_id,),
+    )
+    if left is not None and left > 0:
+        await asyncio.sleep(min(left, DEADLINE_S))
+
+    async def lapsed() -> bool:
+        return await lease_lapsed(conn, run_id)
+
+    await eventually(lapsed, "attempt 1's lease to lapse")
 
 
 async def recover(url: str) -> dict[str, Any]:
@@ -340,12 +486,12 @@ async def recover(url: str) -> dict[str, Any]:
     return report
 
 
-async def diagnose(url: str, run_id: uuid.UUID, *workers: Worker) -> str:
+async def diagnose(db: str | Conn, run_id: uuid.UUID, *workers: Worker) -> str:
     """The run, its attempts and jobs, and the tails of the workers' logs: for a failure."""
-    state = await snapshot(url, run_id)
+    state = await snapshot(db, run_id)
     parts = [f"{name}: {rows}" for name, rows in state.items() if name in ("run", "attempts")]
     jobs = await fetch(
-        url,
+        db,
         "SELECT j.* FROM wq_transport_jobs() j JOIN wq_runs r ON r.lane = j.lane "
         "WHERE r.id = %s ORDER BY j.id",
         (run_id,),
@@ -354,7 +500,7 @@ async def diagnose(url: str, run_id: uuid.UUID, *workers: Worker) -> str:
     # A session left in a transaction (a stopped worker's) holds its locks: SKIP LOCKED
     # picks pass over them.
     sessions = await fetch(
-        url,
+        db,
         "SELECT application_name, state, wait_event_type, now() - xact_start, left(query, 80) "
         "FROM pg_stat_activity WHERE datname = current_database() "
         "AND xact_start IS NOT NULL AND pid <> pg_backend_pid()",
@@ -366,17 +512,21 @@ async def diagnose(url: str, run_id: uuid.UUID, *workers: Worker) -> str:
     return "\n".join(parts)
 
 
-async def recover_until_terminal(url: str, run_id: uuid.UUID, *workers: Worker) -> None:
+async def recover_until_terminal(
+    url: str, run_id: uuid.UUID, *workers: Worker, conn: Conn | None = None
+) -> None:
     """Wait for the run (and any child it spawned) to end, running a recovery pass whenever
     its lease lapsed (as the recovery process would: a later attempt may lose its lease
-    too). On a timeout, the error carries the run's state and the workers' log tails."""
+    too). On a timeout, the error carries the run's state and the workers' log tails.
+    ``conn``: the connection to poll through (default: one per query)."""
+    db: str | Conn = url if conn is None else conn
 
     async def terminal() -> str | None:
-        if await lease_lapsed(url, run_id):
+        if await lease_lapsed(db, run_id):
             await recover(url)
-        state = await one(url, "SELECT state::text FROM wq_runs WHERE id = %s", (run_id,))
+        state = await one(db, "SELECT state::text FROM wq_runs WHERE id = %s", (run_id,))
         unfinished = await one(
-            url,
+            db,
             "SELECT count(*) FROM wq_runs WHERE parent_id = %s "
             "AND state NOT IN ('succeeded', 'failed', 'cancelled')",
             (run_id,),
@@ -407,57 +557,67 @@ async def scenario(
         # The limit of the `limit` points: one permit at a time, and a rate (its bucket's
         # clock moves on each grant: a refused request must not move it).
         await limits.set_limit(conn, LIMIT, rate="100/s", concurrency=1)
+        return await zombie_episode(db_url, tmp_path, point, conn)
+
+
+async def zombie_episode(db_url: str, tmp_path: Path, point: str, conn: Conn) -> Zombie:
+    """Steps 1 to 4 (the module's docstring), polling the database through ``conn``."""
     # The rendezvous where A is stopped: for a cancel, inside the cleanup hook.
     meet = "hook" if point == "cancel" else point
     async with worker(db_url, tmp_path, "a") as a:
         run_id = await submit(db_url, "zombie", {"point": point, "rows": ROWS}, release=RELEASE)
         if point == "cancel":
-            await wait_mark(db_url, run_id, "awaiting-cancel")
-            await cli(db_url, "cancel", str(run_id), "--reason", "zombie test")
-        await wait_mark(db_url, run_id, meet)
+            cancel = ("cancel", str(run_id), "--reason", "zombie test")
+            async with command_ahead(db_url, *cancel) as cancelling:
+                await wait_mark(conn, run_id, "awaiting-cancel")
+                await cancelling.run()
+        await wait_mark(conn, run_id, meet)
         a.signal(signal.SIGSTOP)
 
         async def a_stopped() -> bool:
             return a.state() == "T"
 
         await eventually(a_stopped, "worker A to be stopped")
-        assert await one(db_url, "SELECT attempt FROM wq_runs WHERE id = %s", (run_id,)) == 1
+        assert await one(conn, "SELECT attempt FROM wq_runs WHERE id = %s", (run_id,)) == 1
 
-        async def lapsed() -> bool:
-            return await lease_lapsed(db_url, run_id)
-
-        await eventually(lapsed, "attempt 1's lease to lapse")
-        # The rescue: no other recovery pass can run now (A is stopped, B not started).
-        rescue = await recover(db_url)
-        async with worker(db_url, tmp_path, "b") as b:
-            await recover_until_terminal(db_url, run_id, a, b)
+        # What comes next starts ahead, while A's lease runs out.
+        async with (
+            command_ahead(db_url, "recover", "--once", "--json") as recovering,
+            worker(db_url, tmp_path, "b", ahead=True) as b,
+            command_ahead(db_url, "metrics", "--format", "json") as measuring,
+        ):
+            await until_lapsed(conn, run_id)
+            # The rescue: no other recovery pass can run now (A is stopped, and B's command
+            # has not started: its interpreter waits for the go).
+            rescue: dict[str, Any] = json.loads(await recovering.run())
+            await b.go()
+            await recover_until_terminal(db_url, run_id, a, b, conn=conn)
             assert a.state() == "T"  # A stayed stopped while B ended the run
             close_at = await one(
-                db_url,
+                conn,
                 "SELECT finished_at FROM wq_attempts WHERE run_id = %s AND attempt = 1",
                 (run_id,),
             )
-            before = await snapshot(db_url, run_id)
-            assert await refusals(db_url, run_id) == []
+            before = await snapshot(conn, run_id)
+            assert await refusals(conn, run_id) == []
 
             # A goes on: its renewal is refused, the watchdog stops the attempt (the
             # rendezvous notes it and waits on); then it is released and writes.
             a.signal(signal.SIGCONT)
-            await wait_mark(db_url, run_id, f"{meet}:stopped")
-            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-                await conn.execute(
-                    "INSERT INTO zombie_releases (run_id, point) VALUES (%s, %s)", (run_id, meet)
-                )
+            await wait_mark(conn, run_id, f"{meet}:stopped")
+            await conn.execute(
+                "INSERT INTO zombie_releases (run_id, point) VALUES (%s, %s)", (run_id, meet)
+            )
 
             async def a_finished() -> list[dict[str, Any]]:
                 return a.events("attempt_finished", run_id, 1)
 
             await eventually(a_finished, "worker A to finish its attempt")
-            refused = await refusals(db_url, run_id)
-            after = await snapshot(db_url, run_id)
-            metrics = json.loads(await cli(db_url, "metrics", "--format", "json"))
-            exits = {"b": await stop(b)}
-        exits["a"] = await stop(a)
+            refused = await refusals(conn, run_id)
+            after = await snapshot(conn, run_id)
+            metrics = json.loads(await measuring.run())
+            # Both workers stop at once: each is idle now.
+            exit_b, exit_a = await asyncio.gather(stop(b), stop(a))
     return Zombie(
         url=db_url,
         run_id=run_id,
@@ -469,7 +629,7 @@ async def scenario(
         after=after,
         refused=refused,
         metrics=metrics,
-        exits=exits,
+        exits={"a": exit_a, "b": exit_b},
     )
 
 

@@ -19,7 +19,13 @@ import pytest
 from queues import admission, lanes, recovery, runs
 from tests.apps.prefetch import EXECUTING, STARTS_DDL, registry
 from tests.workers import eventually, fetch, running_worker, submit
+from worker.context import RunContext
+from worker.plays import Registry
 from worker.runtime import Worker
+
+# A worker stopping with plays still held (their runs go back to their lane after the
+# grace): nothing of these tests happens then.
+SHORT_GRACE_S = 0.5
 
 
 @pytest.fixture
@@ -60,6 +66,40 @@ async def succeeded(url: str, n: int) -> None:
         return rows[0][0] == n
 
     await eventually(done, timeout=60)
+
+
+class HoldGate:
+    """Holds the end of a worker's hold (:meth:`Worker._expire_ahead`, which the hold's
+    timer calls with the runs it claimed ahead) until :meth:`open`: the hold then acts
+    when its timer fired and the gate is open, whichever comes last. Install it before
+    the claim whose hold it is to gate."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.opened = asyncio.Event()
+        self.waiting: set[asyncio.Task[None]] = set()
+        end_of_hold = worker._expire_ahead
+
+        def held(run_ids: set[uuid.UUID]) -> None:
+            async def at_the_gate() -> None:
+                await self.opened.wait()
+                end_of_hold(run_ids)
+
+            task = asyncio.create_task(at_the_gate())
+            self.waiting.add(task)
+            task.add_done_callback(self.waiting.discard)
+
+        worker._expire_ahead = held  # type: ignore[method-assign]
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def __enter__(self) -> HoldGate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Drop what still waits (a test that failed before it opened the gate)."""
+        for task in self.waiting:
+            task.cancel()
 
 
 async def two_held_and_four_ahead(url: str, a: Worker, hold_s: float) -> list[uuid.UUID]:
@@ -164,7 +204,12 @@ async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs
     await prepare(db_url, monkeypatch)
     under_s = 0.1
     async with running_worker(
-        db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
+        db_url,
+        registry,
+        release="t",
+        concurrency=2,
+        claim_ahead_under_s=under_s,
+        grace_s=SHORT_GRACE_S,
     ) as a:
         run_ids = await two_held_and_four_ahead(db_url, a, hold_s=10.0)
         held, ahead = run_ids[:2], run_ids[2:]
@@ -222,61 +267,70 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
     """The fence of the hold's write: while runs wait ahead, their leases lapse and are
     rescued by a recovery pass, and another worker ends them in attempt 2.
     When the hold ends, the first worker hands back attempt 1 of each: refused by the
-    finish statement (a ``final`` refusal each), and nothing of attempt 2 changes."""
+    finish statement (a ``final`` refusal each), and nothing of attempt 2 changes. The
+    hold's end is held at a gate until attempt 2 ended (:class:`HoldGate`): the order is
+    forced, not left to the hold outlasting the rescue and the other worker."""
     await prepare(db_url, monkeypatch)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
         await lanes.set_policy(conn, "t", lease_ttl_s=600.0, heartbeat_s=1.0)
-    under_s = 0.25  # a hold of 5 s
+    under_s = 0.1  # a hold of 2 s
     async with running_worker(
-        db_url, registry, release="t", concurrency=2, claim_ahead_under_s=under_s
+        db_url,
+        registry,
+        release="t",
+        concurrency=2,
+        claim_ahead_under_s=under_s,
+        grace_s=SHORT_GRACE_S,
     ) as a:
-        run_ids = await two_held_and_four_ahead(db_url, a, hold_s=30.0)
-        ahead = run_ids[2:]
-        # Which comes first after a pause, the heartbeat's report of the lost leases (the
-        # runs are dropped, nothing written; the held plays are stopped and their slots
-        # start the four) or the hold's end, is a race: the heartbeat stops watching all
-        # six here, so the hold acts, and its write meets the fence.
-        assert a.heartbeat is not None
-        for run_id in run_ids:
-            a.heartbeat.untrack(run_id)
-        async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
-            # The leases lapse (as if the worker had been silent past them), and a pass
-            # at the database clock rescues them.
-            await conn.execute(
-                "UPDATE wq_runs SET lease_expires_at = now() - interval '1 second'"
-                " WHERE id = ANY(%s)",
-                (run_ids,),
-            )
-            report = await recovery.run_once(conn)
-        assert report.counts()["lease_expired"] == 6
-        async with running_worker(
-            db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
-        ) as b:
-            await all_succeeded(db_url, ahead, timeout=4)
-            assert len(a.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
-            before = await attempts_of(db_url, ahead)
-            assert before == sorted(
-                [(1, a.s.worker_id, "lease_expired"), (2, b.s.worker_id, "succeeded")] * 4
-            )
+        with HoldGate(a) as gate:
+            run_ids = await two_held_and_four_ahead(db_url, a, hold_s=30.0)
+            ahead = run_ids[2:]
+            # Which comes first after a pause, the heartbeat's report of the lost leases (the
+            # runs are dropped, nothing written; the held plays are stopped and their slots
+            # start the four) or the hold's end, is a race: the heartbeat stops watching all
+            # six here, so the hold acts, and its write meets the fence.
+            assert a.heartbeat is not None
+            for run_id in run_ids:
+                a.heartbeat.untrack(run_id)
+            async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+                # The leases lapse (as if the worker had been silent past them), and a pass
+                # at the database clock rescues them.
+                await conn.execute(
+                    "UPDATE wq_runs SET lease_expires_at = now() - interval '1 second'"
+                    " WHERE id = ANY(%s)",
+                    (run_ids,),
+                )
+                report = await recovery.run_once(conn)
+            assert report.counts()["lease_expired"] == 6
+            async with running_worker(
+                db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
+            ) as b:
+                await all_succeeded(db_url, ahead, timeout=4)
+                assert len(a.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
+                before = await attempts_of(db_url, ahead)
+                assert before == sorted(
+                    [(1, a.s.worker_id, "lease_expired"), (2, b.s.worker_id, "succeeded")] * 4
+                )
+                gate.open()  # the hold ends (once its timer fired)
 
-            async def refused() -> bool:
+                async def refused() -> bool:
+                    rows = await fetch(
+                        db_url,
+                        "SELECT count(*) FROM wq_refusals WHERE run_id = ANY(%s) AND attempt = 1"
+                        " AND kind = 'final' AND worker_id = %s",
+                        (ahead, a.s.worker_id),
+                    )
+                    return rows[0][0] == 4
+
+                await eventually(refused, timeout=10)
+                assert a.stats["ahead_expired"] == 4
+                assert await attempts_of(db_url, ahead) == before
                 rows = await fetch(
                     db_url,
-                    "SELECT count(*) FROM wq_refusals WHERE run_id = ANY(%s) AND attempt = 1"
-                    " AND kind = 'final' AND worker_id = %s",
-                    (ahead, a.s.worker_id),
+                    "SELECT DISTINCT state::text, attempt FROM wq_runs WHERE id = ANY(%s)",
+                    (ahead,),
                 )
-                return rows[0][0] == 4
-
-            await eventually(refused, timeout=10)
-            assert a.stats["ahead_expired"] == 4
-            assert await attempts_of(db_url, ahead) == before
-            rows = await fetch(
-                db_url,
-                "SELECT DISTINCT state::text, attempt FROM wq_runs WHERE id = ANY(%s)",
-                (ahead,),
-            )
-            assert rows == [("succeeded", 2)]
+                assert rows == [("succeeded", 2)]
 
 
 async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
@@ -286,11 +340,19 @@ async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
     claiming ahead before it returns: short runs go through the other slot, one claim each
     for the free slot, none waiting behind the long play."""
     await prepare(db_url, monkeypatch)
-    async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
+    released = asyncio.Event()
+    long_play = Registry()
+
+    @long_play.play("long")
+    async def long(ctx: RunContext, params: dict[str, Any]) -> None:
+        await released.wait()  # under way until the test is done with the short runs
+
+    plays = registry.merged(long_play)
+    async with running_worker(db_url, plays, release="t", concurrency=2) as worker:
         await admit(db_url, [("counted", {"i": i}) for i in range(2)])
         await succeeded(db_url, 2)
         assert worker._prefetch() == 8
-        await admit(db_url, [("held", {"hold_s": 3.0, "i": 9})])
+        await admit(db_url, [("long", {"i": 9})])
 
         async def long_under_way() -> bool:
             return len(worker.live) == 1 and worker._prefetch() == 0
@@ -307,5 +369,6 @@ async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
             return len(worker.live) == 1 and not worker.ahead
 
         await eventually(only_the_long_play, timeout=10)
+        released.set()
         await succeeded(db_url, 7)
     assert worker.stats["ahead_expired"] == 0

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import lanes
+from queues import admission, lanes
 from tests.apps.scheduling import DDL, URL_ENV, registry
 from tests.workers import eventually, fetch, running_worker
 
@@ -53,6 +53,21 @@ async def admit(url: str, org: str, n: int) -> None:
                 "n": n,
             },
         )
+
+
+async def admit_backlog(url: str, org: str, n: int) -> None:
+    """``n`` runs of ``org`` in one batch admission (:func:`queues.admission.submit_many`,
+    at most its largest batch): queued runs and jobs as :func:`admit` makes them (each
+    also carrying its authority descriptor, as the Python admission API records it), in
+    set-wise writes instead of an admission function call per run, a fraction of the time
+    for A's backlog."""
+    assert n <= admission.MAX_BATCH
+    batch = [
+        admission.Submission(play="quick", params={"seconds": RUN_S}, release=RELEASE, org=org)
+        for _ in range(n)
+    ]
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await admission.submit_many(conn, batch)
 
 
 async def waits(url: str, org: str, since: Any) -> list[float] | None:
@@ -109,7 +124,7 @@ async def scenario(url: str, org_cap: int) -> Outcome:
         idle_since = await clock(url)
         await admit(url, "b-idle", 100)
         idle = await eventually(lambda: waits(url, "b-idle", idle_since), timeout=60)
-        await admit(url, "a", 10_000)
+        await admit_backlog(url, "a", 10_000)
 
         async def busy() -> bool:
             rows = await fetch(

@@ -9,9 +9,9 @@
 - Interrupted is not failed: an attempt whose database connection is killed is retried
   without spending the retry budget.
 
-Interleavings are forced, never left to timing: a final write is held at a gate, or the
-worker is made deaf to a cancel, and the test moves on only once the database shows the
-state it needs.
+Interleavings are forced, never left to timing: a final write is held at a gate, the
+worker's claims are held at one, or the worker is made deaf to a cancel, and the test
+moves on only once the database (or the worker) shows the state it needs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -34,6 +33,12 @@ from worker.plays import Registry
 from worker.runtime import Worker
 
 Conn = psycopg.AsyncConnection[Any]
+
+# The lease of the blocking-code tests: blocking code runs for a multiple of it, so an
+# unrenewed lease would lapse under it. A renewal every eighth of it leaves the heartbeat
+# thread most of a TTL of slack on a loaded machine (and a refused renewal is heard soon).
+LEASE_TTL_S = 2.0
+HEARTBEAT_S = 0.25
 
 HOOKS_DDL = """
 CREATE TABLE IF NOT EXISTS test_hooks (
@@ -229,6 +234,9 @@ async def test_a_cancel_unheard_before_an_event_wait_still_ends_the_run(url: str
 
 
 async def test_a_forced_cancel_ends_a_hanging_run_and_fences_its_attempt(url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await lanes.prepare(conn, "t")
+        await lanes.set_policy(conn, "t", heartbeat_s=HEARTBEAT_S)  # the refusal comes sooner
     async with running_worker(url, plays(url)) as worker:
         deaf_to_cancel(worker)
         run_id = await submit(url, "hang")
@@ -259,24 +267,79 @@ async def test_a_sleeping_waiter_is_cancelled_at_once_and_a_second_cancel_is_har
     assert await outcomes_of(url, run_id) == ["suspended"]
 
 
+class ClaimGate:
+    """Holds every claim of the worker (:func:`queues.runs.claim`, the runtime's one call
+    to claim) while closed; a claim under way when it closes is waited for."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.opened = asyncio.Event()
+        self.opened.set()
+        self.under_way = 0
+        real_claim = runs.claim
+
+        async def claim(conn: Any, **kwargs: Any) -> Any:
+            while not self.opened.is_set():  # (woken, it may have closed again meanwhile)
+                await self.opened.wait()
+            self.under_way += 1
+            try:
+                return await real_claim(conn, **kwargs)
+            finally:
+                self.under_way -= 1
+
+        monkeypatch.setattr(runs, "claim", claim)
+
+    async def close(self) -> None:
+        """Close it; return once no claim is under way."""
+        self.opened.clear()
+
+        async def idle() -> bool:
+            return self.under_way == 0
+
+        await eventually(idle, interval=0.01)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
 @pytest.mark.slow
-async def test_a_cancel_with_a_lapsed_lease_runs_the_cleanup_once(url: str) -> None:
+async def test_a_cancel_with_a_lapsed_lease_runs_the_cleanup_once(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.prepare(conn, "t")
         await lanes.set_policy(conn, "t", lease_ttl_s=3.0, heartbeat_s=0.5)
     registry = plays(url)
+    claims = ClaimGate(monkeypatch)
     async with running_worker(url, registry) as first:
         deaf_to_cancel(first)
         run_id = await submit(url, "hang")
         await eventually(lambda: _is(url, run_id, "running"))
         await cancel(url, run_id, reason="stop")
         await cancel(url, run_id, reason="stop again")  # repeated: harmless
-        # The attempt's worker "dies" (its lease is taken by a rescue in the future): the
-        # run gets a cleanup-only attempt, the first worker's attempt is stopped unwritten.
-        async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            now = (await fetch(url, "SELECT now()"))[0][0]
-            report = await recovery.run_once(conn, now=now + timedelta(seconds=10))
+        # The attempt's worker "dies": its lease lapses (as if the worker had been silent
+        # past it) and a pass at the database clock takes it, in one transaction, so no
+        # renewal of the live worker lands in between (the renewal waits for the run's row,
+        # then finds attempt 1 closed). The run gets a cleanup-only attempt, due at once;
+        # the first worker claims it only once its attempt 1 was stopped unwritten (its
+        # renewal refused), as a worker that had really been silent would have dropped it.
+        await claims.close()
+        async with (
+            await psycopg.AsyncConnection.connect(url, autocommit=True) as conn,
+            conn.transaction(),
+        ):
+            await conn.execute(
+                "UPDATE wq_runs SET lease_expires_at = now() - interval '1 second'"
+                " WHERE id = %s AND state = 'running' AND attempt = 1",
+                (run_id,),
+            )
+            report = await recovery.run_once(conn)
         assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "queued")]
+
+        async def attempt_1_stopped() -> bool:
+            return run_id not in first.live
+
+        await eventually(attempt_1_stopped)
+        claims.open()
         assert await eventually(lambda: _terminal(url, run_id)) == "cancelled"
     assert await outcomes_of(url, run_id) == ["lease_expired", "cancelled"]
     assert await hooks(url, run_id) == [2]  # once, by the cleanup-only attempt
@@ -297,10 +360,11 @@ async def test_a_blocking_step_longer_than_the_lease_runs_once_and_is_recorded_o
 ) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.prepare(conn, "t")
-        await lanes.set_policy(conn, "t", lease_ttl_s=3.0, heartbeat_s=0.5)
+        await lanes.set_policy(conn, "t", lease_ttl_s=LEASE_TTL_S, heartbeat_s=HEARTBEAT_S)
     async with running_worker(url, plays(url)):
-        run_id = await submit(url, "blocking-step", {"s": 6.0})
-        # Recovery passes keep running while the step blocks: none may rescue the run.
+        run_id = await submit(url, "blocking-step", {"s": 2 * LEASE_TTL_S})
+        # Recovery passes keep running while the step blocks (several within the second
+        # TTL of the step, when an unrenewed lease would have lapsed): none may rescue it.
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
 
             async def done_without_rescue() -> str | None:
@@ -308,7 +372,7 @@ async def test_a_blocking_step_longer_than_the_lease_runs_once_and_is_recorded_o
                 assert report.expired == (), "a blocking step cost its run the lease"
                 return await _terminal(url, run_id)
 
-            assert await eventually(done_without_rescue, timeout=30, interval=0.5) == "succeeded"
+            assert await eventually(done_without_rescue, timeout=30, interval=0.25) == "succeeded"
     assert await fetch(url, "SELECT attempt FROM test_paid WHERE run_id = %s", (run_id,)) == [(1,)]
     receipts_ = await fetch(
         url,
@@ -322,10 +386,11 @@ async def test_a_blocking_step_longer_than_the_lease_runs_once_and_is_recorded_o
 async def test_code_that_blocks_the_event_loop_keeps_its_lease_and_is_reported(url: str) -> None:
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         await lanes.prepare(conn, "t")
-        await lanes.set_policy(conn, "t", lease_ttl_s=3.0, heartbeat_s=0.5)
+        await lanes.set_policy(conn, "t", lease_ttl_s=LEASE_TTL_S, heartbeat_s=HEARTBEAT_S)
     with capture_logs() as logs:
         async with running_worker(url, plays(url)):
-            run_id = await submit(url, "blocks-the-loop", {"s": 5.0})
+            # Blocked well past the lease (and past the lag warning's second).
+            run_id = await submit(url, "blocks-the-loop", {"s": 1.75 * LEASE_TTL_S})
             assert await eventually(lambda: _terminal(url, run_id), timeout=30) == "succeeded"
             async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
                 assert (await recovery.run_once(conn)).expired == ()
@@ -346,7 +411,9 @@ async def test_a_killed_connection_interrupts_the_attempt_without_spending_the_b
         await lanes.prepare(conn, "t")
         # One attempt allowed: a failure would end the run. An interruption must not.
         await lanes.set_policy(conn, "t", retry_max_attempts=1)
-    async with running_worker(url, plays(url)):
+    # The retry is due about a second after the interruption, with no wake-up: a short
+    # poll claims it soon after.
+    async with running_worker(url, plays(url), poll_s=0.2):
         run_id = await submit(url, "loses-its-connection")
         assert await eventually(lambda: _terminal(url, run_id), timeout=20) == "succeeded"
     assert await outcomes_of(url, run_id) == ["interrupted", "succeeded"]
