@@ -16,11 +16,13 @@ A missing database is a failure, never a skip.
 from __future__ import annotations
 
 import asyncio
+import compileall
 import concurrent.futures
 import contextlib
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -301,6 +303,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     for orphan in leftovers.sweep_orphans():
         print(f"killed a process left by a killed test session: {orphan.pid} {orphan.command}")
     os.environ[leftovers.MARK] = leftovers.session_mark()
+    if sys.dont_write_bytecode and "PYTEST_XDIST_WORKER" not in os.environ:
+        # Where bytecode is never written (PYTHONDONTWRITEBYTECODE, common in containers),
+        # every worker, CLI and sandbox process the tests start would compile the project's
+        # modules again; written once here, each of them reads them.
+        root = Path(__file__).resolve().parents[1]
+        for package in ("worker", "queues", "tests", "bench"):
+            compileall.compile_dir(root / package, quiet=1, workers=0)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears the session's fixtures down
