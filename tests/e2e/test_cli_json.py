@@ -8,7 +8,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -84,50 +86,77 @@ def test_data_commands_print_json_with_iso_timestamps(db_url: str, tmp_path: Pat
         "WORKER_TOKEN_SECRET": "t" * 48,
         "WORKER_HOME": str(tmp_path / "home"),
     }
-    [checked] = run_json(env, "migrate", "--check")
-    assert checked["current"] is True
-    [applied] = run_json(env, "migrate")
-    assert applied["applied"] == []
-    [status] = run_json(env, "db", "status")
-    assert status["running"] is False  # the embedded server of an unused home
-    [stopped] = run_json(env, "db", "stop")
-    assert stopped == {"stopped": False}
-    [lane] = run_json(env, "queues", "prepare", "j1")
-    assert lane["state"] == "prepared"
-    [admitted] = run_json(env, "submit", "noop", "--release", "j1", "--params", '{"n": 1}')
-    run_id = admitted["run_id"]
-    [token] = run_json(env, "token", "mint", "--run", run_id, "--capability", "sheet.write")
-    assert token["capabilities"] == ["sheet.write"]
-    [cancelled] = run_json(env, "cancel", run_id)
-    assert cancelled["after"] == "cancelled"
-    [result] = run_json(env, "result", run_id, ok=(3,))
-    assert result["state"] == "cancelled"
-    observed = run_json(env, "observe", run_id, ok=(3,))
-    assert observed[-1]["run"]["state"] == "cancelled"
-    [shown] = run_json(env, "runs", "show", run_id)
-    assert shown["id"] == run_id and shown["events"]
-    [listed] = run_json(env, "runs", "list")
-    assert [r["id"] for r in listed] == [run_id]
-    events = run_json(env, "events", run_id)
-    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
-    [emitted] = run_json(env, "emit", "paid")
-    assert emitted["woken"] == 0
-    [sink] = run_json(env, "sinks", "add", "crm", "--url", "http://127.0.0.1:9/hook")
-    assert sink["created"] is True
-    [sinks] = run_json(env, "sinks", "list")
-    assert {s["name"] for s in sinks} >= {"crm", "progress"}
-    [disabled] = run_json(env, "sinks", "disable", "crm")
-    assert disabled == {"sink": "crm", "enabled": False}
-    [lanes] = run_json(env, "queues", "list")
-    assert [entry["lane"] for entry in lanes] == ["r-j1"]
-    [drained] = run_json(env, "queues", "drain", "j1")
-    assert drained["state"] == "draining"
-    [reopened] = run_json(env, "queues", "reopen", "j1")
-    assert reopened["state"] == "prepared"
-    [adopted] = run_json(env, "queues", "adopt", "j1", "j2")
-    assert adopted["moved"] == 0
-    [reclaimed] = run_json(env, "queues", "reclaim", "j1")
-    assert reclaimed["lane"] == "r-j1"
+
+    # Sequences of commands run at once, each in its order. One migrates; another reads the
+    # embedded server's home meanwhile, then, once the schema is migrated, admits a run and
+    # cancels it, and then the cancelled run is read while its lane is worked (lane commands
+    # write the lane's row, not the run's: adopt moves no finished run). Meanwhile the first
+    # emits an event nobody waits for and works the sinks, which touch neither.
+    migrated = threading.Event()
+
+    def the_lane() -> None:
+        [lanes] = run_json(env, "queues", "list")
+        assert [entry["lane"] for entry in lanes] == ["r-j1"]
+        [drained] = run_json(env, "queues", "drain", "j1")
+        assert drained["state"] == "draining"
+        [reopened] = run_json(env, "queues", "reopen", "j1")
+        assert reopened["state"] == "prepared"
+        [adopted] = run_json(env, "queues", "adopt", "j1", "j2")
+        assert adopted["moved"] == 0
+        [reclaimed] = run_json(env, "queues", "reclaim", "j1")
+        assert reclaimed["lane"] == "r-j1"
+
+    def the_run() -> None:
+        [status] = run_json(env, "db", "status")
+        assert status["running"] is False  # the embedded server of an unused home
+        [stopped] = run_json(env, "db", "stop")
+        assert stopped == {"stopped": False}
+        assert migrated.wait(timeout=300)
+        [lane] = run_json(env, "queues", "prepare", "j1")
+        assert lane["state"] == "prepared"
+        [admitted] = run_json(env, "submit", "noop", "--release", "j1", "--params", '{"n": 1}')
+        run_id = admitted["run_id"]
+        [token] = run_json(env, "token", "mint", "--run", run_id, "--capability", "sheet.write")
+        assert token["capabilities"] == ["sheet.write"]
+        [cancelled] = run_json(env, "cancel", run_id)
+        assert cancelled["after"] == "cancelled"
+        with ThreadPoolExecutor(1) as pool:
+            lane_work = pool.submit(the_lane)
+            [result] = run_json(env, "result", run_id, ok=(3,))
+            assert result["state"] == "cancelled"
+            observed = run_json(env, "observe", run_id, ok=(3,))
+            assert observed[-1]["run"]["state"] == "cancelled"
+            [shown] = run_json(env, "runs", "show", run_id)
+            assert shown["id"] == run_id and shown["events"]
+            [listed] = run_json(env, "runs", "list")
+            assert [r["id"] for r in listed] == [run_id]
+            events = run_json(env, "events", run_id)
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+        lane_work.result()
+
+    def the_schema_and_the_sinks() -> None:
+        try:
+            [checked] = run_json(env, "migrate", "--check")
+            assert checked["current"] is True
+            [applied] = run_json(env, "migrate")
+            assert applied["applied"] == []
+        finally:
+            migrated.set()
+        [emitted] = run_json(env, "emit", "paid")
+        assert emitted["woken"] == 0
+        [sink] = run_json(env, "sinks", "add", "crm", "--url", "http://127.0.0.1:9/hook")
+        assert sink["created"] is True
+        [sinks] = run_json(env, "sinks", "list")
+        assert {s["name"] for s in sinks} >= {"crm", "progress"}
+        [disabled] = run_json(env, "sinks", "disable", "crm")
+        assert disabled == {"sink": "crm", "enabled": False}
+
+    with ThreadPoolExecutor(2) as pool:
+        sequences = [pool.submit(the_run), pool.submit(the_schema_and_the_sinks)]
+    for sequence in sequences:
+        sequence.result()
+
+    # Then, on what both left (a cancelled run on a reclaimed lane, a disabled sink):
     [recovered] = run_json(env, "recover", "--once")
     assert "counts" in recovered
     [metrics] = run_json(env, "metrics")

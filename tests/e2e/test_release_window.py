@@ -17,9 +17,14 @@ its ``worker`` is always run as ``<venv>/bin/python <venv>/bin/worker``.
 
 The *new* release is this checkout plus one probe migration numbered after its highest: a
 ``-- kind: expand`` one (a table ``wq_window_probe``) or a ``-- kind: contract`` one (a
-comment). It is installed with ``pip install --no-deps --target`` and run with that
-directory first on ``PYTHONPATH``, ahead of this checkout's editable install; a probe
-process checks that the code it runs is the installed copy with the probe migration.
+comment). This checkout's wheel is installed with ``pip install --no-deps --target`` once
+per checkout, shared by both scenarios (tests/releases.py, under a lock); each scenario
+copies that directory, writes its probe migration into the copy's ``queues/sql/migrations``
+(where the installed package reads its migrations) and runs it with the copy first on
+``PYTHONPATH``, ahead of this checkout's editable install; a probe process checks that the
+code it runs is the copy, with the probe migration as its highest. The installed directory
+is made in the background from the module's start, and each copy while the old release's
+lane is set up.
 
 Both releases serve the plays of ``tests.release.plays`` from their own tree, and the old
 release's own smoke scenario (``python -m tests.release.smoke``) runs against the database
@@ -43,12 +48,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg
 import pytest
+
+from tests import releases
 
 T = TypeVar("T")
 
@@ -287,11 +295,11 @@ def probe(command: Sequence[str], env: dict[str, str], cwd: Path) -> dict[str, A
 
 
 def highest_migration(tree: Path) -> int:
-    return max(
-        int(match[1])
-        for p in (tree / "sql" / "migrations").iterdir()
-        if (match := _MIGRATION.match(p.name))
-    )
+    return highest_in(tree / "sql" / "migrations")
+
+
+def highest_in(migrations: Path) -> int:
+    return max(int(match[1]) for p in migrations.iterdir() if (match := _MIGRATION.match(p.name)))
 
 
 def app_path(tree: Path, where: Path) -> Path:
@@ -354,36 +362,23 @@ PROBE_SQL = {
 }
 
 
-def build_new(tmp: Path, kind: str) -> NewBuild:
-    """This checkout plus one probe migration of ``kind``, installed into a directory."""
-    tree = tmp / "new-src"
-    tree.mkdir()
-    for name in INSTALLED:
-        source = ROOT / name
-        if source.is_dir():
-            shutil.copytree(source, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, tree / name)
-    number = highest_migration(tree) + 1
-    probe_name = f"{number:04d}_window_probe"
-    (tree / "sql" / "migrations" / f"{probe_name}.sql").write_text(PROBE_SQL[kind])
+@pytest.fixture(scope="module")
+def installed_checkout() -> Iterator[Future[Path]]:
+    """This checkout's installed directory (tests/releases.py), made in the background while
+    the previous release and the scenarios' old lanes are set up."""
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(releases.installed_checkout)
+
+
+def build_new(tmp: Path, kind: str, installed: Future[Path]) -> NewBuild:
+    """This checkout's installed copy plus one probe migration of ``kind``, in a directory."""
     target = tmp / "new-site"
-    _logged(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--target",
-            str(target),
-            str(tree),
-        ],
-        tmp / "new-build.log",
-        timeout=600,
-        cwd=tmp,
-    )
+    shutil.copytree(installed.result(), target, symlinks=True)
+    migrations = target / "queues" / "sql" / "migrations"
+    number = highest_in(migrations) + 1
+    assert number == highest_migration(ROOT) + 1, f"{target} is not this checkout's"
+    probe_name = f"{number:04d}_window_probe"
+    (migrations / f"{probe_name}.sql").write_text(PROBE_SQL[kind])
     app = app_path(ROOT, tmp / "new-app")
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED}
     env["PYTHONPATH"] = os.pathsep.join([str(target), str(app)])
@@ -536,6 +531,11 @@ class Workers:
     def start(self, release: Release, lane: str, name: str, *extra: str) -> subprocess.Popen[bytes]:
         """A worker that reported ready."""
         proc = self.spawn(release, lane, name, *extra)
+        self.ready(proc, release, lane, name)
+        return proc
+
+    def ready(self, proc: subprocess.Popen[bytes], release: Release, lane: str, name: str) -> None:
+        """Wait until the spawned worker ``name`` reported ready."""
         ready = self.tmp / f"{name}.ready"
         deadline = time.monotonic() + 60
         while not ready.exists():
@@ -545,7 +545,6 @@ class Workers:
             )
             assert time.monotonic() < deadline, f"worker {name} never ready\n{tails(self.tmp)}"
             time.sleep(0.05)
-        return proc
 
     def terminate(self, proc: subprocess.Popen[bytes], name: str) -> None:
         """SIGTERM: the worker stops (and marks itself stopped) with exit status 0."""
@@ -592,6 +591,14 @@ def until(probe_fn: Callable[[], T | None], what: str, tmp: Path, timeout: float
         time.sleep(0.2)
 
 
+def together(*calls: Callable[[], T]) -> list[T]:
+    """The results of ``calls``, run at once (each in a thread: they wait on processes
+    and the database); the first failure is raised once all of them are done."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        running = [pool.submit(call) for call in calls]
+    return [r.result() for r in running]
+
+
 def query(url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
     with psycopg.connect(url, autocommit=True) as conn:
         return conn.execute(sql, params).fetchall()
@@ -627,13 +634,21 @@ def hold_old_lane(
     old.ok("migrate")
     old.ok("queues", "prepare", OLD)
     old.ok("queues", "set-policy", OLD, *POLICY)
-    worker = running.start(
+    worker = running.spawn(
         old, OLD, "old-1", "--concurrency", str(HELD), "--claim-ahead-under", "0"
     )
     params = {"count": 3, "gate_at": 1, "gate": GATE, "trace": str(trace), "max_s": 300}
-    held = [
-        old.submit("steps", params, release=OLD, admission_only=i == HELD - 1) for i in range(HELD)
-    ]
+    # Admitted at once (independent admissions, the last one admission-only) while the
+    # worker starts: they wait on the lane for it.
+    held = together(
+        *(
+            functools.partial(
+                old.submit, "steps", params, release=OLD, admission_only=i == HELD - 1
+            )
+            for i in range(HELD)
+        )
+    )
+    running.ready(worker, old, OLD, "old-1")
     for run_id in held:
         line = until(
             functools.partial(began, trace, run_id, "s1"), f"held run {run_id} in s1", old.tmp
@@ -662,16 +677,21 @@ def finish_held(old: Release, held: list[str], tmp: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a cold build of the previous release's venv may take most of it
 async def test_an_old_release_works_inside_the_window_after_an_expand(
-    empty_db: Callable[[], Any], tmp_path: Path, previous_release: OldBuild
+    installed_checkout: Future[Path],
+    previous_release: OldBuild,
+    empty_db: Callable[[], Any],
+    tmp_path: Path,
 ) -> None:
     url = await empty_db()
     trace = tmp_path / "trace"
     trace.mkdir()
-    new_build = build_new(tmp_path, "expand")
     old = old_release(previous_release, url, tmp_path)
-    new = new_release(new_build, url, tmp_path)
-    with workers(tmp_path) as running:
+    with ThreadPoolExecutor(1) as pool, workers(tmp_path) as running:
+        # The new release is made while the old one sets up its lane.
+        building = pool.submit(build_new, tmp_path, "expand", installed_checkout)
         first, held = hold_old_lane(old, running, trace)
+        new_build = building.result()
+        new = new_release(new_build, url, tmp_path)
 
         # The new release's release phase applies its expand migration.
         migrated = new.ok("migrate", "--json")
@@ -679,36 +699,53 @@ async def test_an_old_release_works_inside_the_window_after_an_expand(
         assert new_build.probe_name in applied, f"{applied}\n{tails(tmp_path)}"
         assert query(url, "SELECT to_regclass('wq_window_probe') IS NOT NULL") == [(True,)]
 
-        running.start(new, NEW, "new-1")
-        new_runs = [
-            new.submit("steps", {"count": 3}, release=NEW),
-            new.submit("steps", {"count": 3}, release=NEW, admission_only=True),
-            new.submit("rows", {"count": 20}, release=NEW),
-        ]
-
         # The old release, inside the window: its whole smoke scenario, on its own lane
-        # (the old worker there is busy with the held runs).
-        smoke = subprocess.run(
-            [
-                old.python,
-                "-m",
-                "tests.release.smoke",
-                "--release",
-                OLD,
-                "--json",
-                "--workdir",
-                str(tmp_path / "smoke-old"),
-            ],
-            env={k: v for k, v in old.env().items() if k != "PYTHONPATH"},
-            cwd=previous_release.tree,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
-        assert smoke.returncode == 0, (
-            f"the smoke scenario of {previous_release.label} failed on a database the new "
-            f"release migrated:\n{smoke.stderr[-4000:]}\n{smoke.stdout[-3000:]}\n"
+        # (the old worker there is busy with the held runs), while the new release's worker
+        # starts beside it and runs the new release's own runs.
+        out, err = tmp_path / "smoke.stdout", tmp_path / "smoke.stderr"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            smoke = subprocess.Popen(
+                [
+                    old.python,
+                    "-m",
+                    "tests.release.smoke",
+                    "--release",
+                    OLD,
+                    "--json",
+                    "--workdir",
+                    str(tmp_path / "smoke-old"),
+                ],
+                env={k: v for k, v in old.env().items() if k != "PYTHONPATH"},
+                cwd=previous_release.tree,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+            )
+        try:
+            running.start(new, NEW, "new-1")
+            new_runs = together(
+                functools.partial(new.submit, "steps", {"count": 3}, release=NEW),
+                functools.partial(
+                    new.submit, "steps", {"count": 3}, release=NEW, admission_only=True
+                ),
+                functools.partial(new.submit, "rows", {"count": 20}, release=NEW),
+            )
+            # Their results are awaited while the smoke runs, and checked below.
+            results = pool.submit(
+                together,
+                *(
+                    functools.partial(new.ok, "result", run_id, "--wait", "--timeout", "60s")
+                    for run_id in new_runs
+                ),
+            )
+            code = smoke.wait(timeout=180)
+        finally:
+            if smoke.poll() is None:  # a failure above, or the smoke outlived its timeout
+                smoke.kill()
+                smoke.wait()
+        assert code == 0, (
+            f"the smoke scenario of {previous_release.label} failed (exit {code}) on a "
+            f"database the new release migrated:\n{tail(err, 4000)}\n{tail(out, 3000)}\n"
             f"{tails(tmp_path)}"
         )
 
@@ -724,8 +761,7 @@ async def test_an_old_release_works_inside_the_window_after_an_expand(
             assert started.count("s0") == 1 and started.count("s2") == 1, (run_id, started)
 
         # The new release's own runs.
-        for run_id in new_runs:
-            new.ok("result", run_id, "--wait", "--timeout", "60s")
+        results.result()
 
     by_state = dict(query(url, "SELECT state::text, count(*) FROM wq_runs GROUP BY 1"))
     assert set(by_state) <= {"succeeded", "cancelled"}, f"{by_state}\n{tails(tmp_path)}"
@@ -735,29 +771,38 @@ async def test_an_old_release_works_inside_the_window_after_an_expand(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_a_contract_waits_for_the_old_lane_then_closes_the_window(
-    empty_db: Callable[[], Any], tmp_path: Path, previous_release: OldBuild
+    installed_checkout: Future[Path],
+    previous_release: OldBuild,
+    empty_db: Callable[[], Any],
+    tmp_path: Path,
 ) -> None:
     url = await empty_db()
     trace = tmp_path / "trace"
     trace.mkdir()
-    new_build = build_new(tmp_path, "contract")
-    probe_name = new_build.probe_name
     old = old_release(previous_release, url, tmp_path)
-    new = new_release(new_build, url, tmp_path)
-    with workers(tmp_path) as running:
+    with ThreadPoolExecutor(1) as pool, workers(tmp_path) as running:
+        # The new release is made while the old one sets up its lane.
+        building = pool.submit(build_new, tmp_path, "contract", installed_checkout)
         first, held = hold_old_lane(old, running, trace)
+        new_build = building.result()
+        probe_name = new_build.probe_name
+        new = new_release(new_build, url, tmp_path)
 
-        # The old lane has unfinished runs and a live worker: the contract waits.
+        # The old lane has unfinished runs and a live worker: the contract waits. The
+        # ordinary migrate applies the new release's other migrations and defers it; then
+        # forcing it and checking (neither of which applies anything) are run at once.
         deferred = new.cli("migrate")
         assert deferred.returncode == 0, f"{deferred.stderr}\n{tails(tmp_path)}"
         blocked = [
             line for line in deferred.stderr.splitlines() if "CONTRACT_BLOCKED_BY_LANES" in line
         ]
         assert blocked and OLD_LANE in " ".join(blocked), f"{deferred.stderr}\n{tails(tmp_path)}"
-        forced = new.cli("migrate", "--contract")
+        forced, check = together(
+            functools.partial(new.cli, "migrate", "--contract"),
+            functools.partial(new.cli, "migrate", "--check", "--json"),
+        )
         assert forced.returncode == 1, f"{forced.stderr}\n{tails(tmp_path)}"
         assert "error[CONTRACT_BLOCKED_BY_LANES]" in forced.stderr, forced.stderr
-        check = new.cli("migrate", "--check", "--json")
         assert check.returncode == 1, f"{check.stdout}{check.stderr}"
         pending = {p["name"]: p for p in json.loads(check.stdout)["steps"]}
         assert pending.get(probe_name, {}).get("kind") == "contract", pending
@@ -780,8 +825,15 @@ async def test_a_contract_waits_for_the_old_lane_then_closes_the_window(
         assert probe_name in applied, f"{applied}\n{tails(tmp_path)}"
 
         # The window is closed to the old release: its worker and its lane-preparing submit
-        # refuse, naming the contract migration.
+        # refuse, naming the contract migration. The new release goes on. (The old worker
+        # is awaited last: it starts, refuses and exits while the commands run.)
         refused = running.spawn(old, OLD, "old-2")
+        submitted = old.cli("submit", "steps", "--release", "old2", "--params", "{}")
+        assert submitted.returncode == 1, f"{submitted.stdout}{submitted.stderr}"
+        assert "error[SCHEMA_WINDOW_CLOSED]" in submitted.stderr, submitted.stderr
+        assert probe_name in submitted.stderr, submitted.stderr
+        after = new.submit("steps", {"count": 3}, release=NEW)
+        new.ok("result", after, "--wait", "--timeout", "60s")
         try:
             code = refused.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -789,14 +841,6 @@ async def test_a_contract_waits_for_the_old_lane_then_closes_the_window(
         log = tail(tmp_path / "old-2.log", 4000)
         assert code == 1, f"the old worker after the contract: exit {code}\n{tails(tmp_path)}"
         assert "error[SCHEMA_WINDOW_CLOSED]" in log and probe_name in log, log
-        submitted = old.cli("submit", "steps", "--release", "old2", "--params", "{}")
-        assert submitted.returncode == 1, f"{submitted.stdout}{submitted.stderr}"
-        assert "error[SCHEMA_WINDOW_CLOSED]" in submitted.stderr, submitted.stderr
-        assert probe_name in submitted.stderr, submitted.stderr
-
-        # The new release goes on.
-        after = new.submit("steps", {"count": 3}, release=NEW)
-        new.ok("result", after, "--wait", "--timeout", "60s")
 
     by_state = dict(query(url, "SELECT state::text, count(*) FROM wq_runs GROUP BY 1"))
     assert set(by_state) == {"succeeded"}, f"{by_state}\n{tails(tmp_path)}"

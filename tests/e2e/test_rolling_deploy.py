@@ -14,6 +14,7 @@ reopened to admissions.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -21,9 +22,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 import pytest
@@ -34,6 +37,7 @@ from tests.workers import eventually, fetch
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
 APP = "tests.apps.deploy:registry"
+T = TypeVar("T")
 
 
 def env_for(url: str, **extra: str) -> dict[str, str]:
@@ -155,8 +159,11 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     with ExitStack() as stack:
         # v1 is live: its worker, and the old app admitting on v1.
         v1, v1_worker = stack.enter_context(worker_of(db_url, "v1", tmp_path))
-        v1_runs = [submit(db_url, "work", "v1", admission_only=False)]
-        sleeper = submit(db_url, "nap", "v1", admission_only=False, event="go")
+        work, sleeper = together(
+            functools.partial(submit, db_url, "work", "v1", admission_only=False),
+            functools.partial(submit, db_url, "nap", "v1", admission_only=False, event="go"),
+        )
+        v1_runs = [work]
         await until(db_url, v1_runs, "succeeded")
         await until(db_url, [sleeper], "sleeping")
 
@@ -179,9 +186,12 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
         assert await ran_on(db_url, overlap) == {"r-v1": {v1_worker}, "r-v2": {v2_worker}}
 
         # The app switches to v2, in admission-only mode (no lane preparation, no schema
-        # check on the app side).
-        v2_runs = [submit(db_url, "work", "v2", admission_only=True)]
-        late_v1 = submit(db_url, "work", "v1", admission_only=False)  # a straggler
+        # check on the app side), while a straggler still admits on v1.
+        v2_run, late_v1 = together(
+            functools.partial(submit, db_url, "work", "v2", admission_only=True),
+            functools.partial(submit, db_url, "work", "v1", admission_only=False),
+        )
+        v2_runs = [v2_run]
         drained = cli(db_url, "queues", "drain", "v1")
         assert drained.returncode == 0, drained.stderr
         refused = cli(db_url, "submit", "work", "--release", "v1")
@@ -198,14 +208,20 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
         # serves it, so it is reported stranded; it is not lost, and v1 stays closed.
         assert cli(db_url, "emit", "go").returncode == 0
 
+        # (Reported once it has waited a moment since its wake: the threshold only sets
+        # when, and a short one spares the test a second pass.)
         async def stranded() -> bool:
-            report = cli(db_url, "recover", "--once", "--json", "--stranded-after", "1s")
+            report = cli(db_url, "recover", "--once", "--json", "--stranded-after", "100ms")
             return report.returncode == 0 and '"lane": "r-v1"' in report.stdout
 
-        await eventually(stranded, timeout=60, interval=0.5)
-        for admission_only in (True, False):
-            extra = {"WORKER_ADMISSION_ONLY": "1"} if admission_only else {}
-            again = cli(db_url, "submit", "work", "--release", "v1", **extra)
+        await eventually(stranded, timeout=60, interval=0.2)
+        refusals = together(
+            functools.partial(cli, db_url, "submit", "work", "--release", "v1"),
+            functools.partial(
+                cli, db_url, "submit", "work", "--release", "v1", WORKER_ADMISSION_ONLY="1"
+            ),
+        )
+        for again in refusals:
             assert again.returncode == 1 and "error[LANE_RECLAIMED]" in again.stderr
         # The operator adopts v1 into v2; v2's worker finishes it.
         adopted = cli(db_url, "queues", "adopt", "v1", "v2")
@@ -235,6 +251,13 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     # The sleeper slept on v1 and, adopted, was finished by v2 (its release is v2 now).
     assert by_id[sleeper].result["slept_on"] == "v1" and by_id[sleeper].release == "v2"
     assert by_id[sleeper].result["woken"] is True
+
+
+def together(*calls: Callable[[], T]) -> list[T]:
+    """The results of ``calls``, run at once (independent commands, each in a thread)."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        running = [pool.submit(call) for call in calls]
+    return [r.result() for r in running]
 
 
 async def until(url: str, run_ids: list[str], state: str) -> None:

@@ -5,11 +5,17 @@ first commands run from a directory outside it against a throwaway home: ``worke
 (the SQL under ``sql/``, the demo's sample, the dashboard's templates, a subpackage)
 fails here, where the editable install of the suite finds it in the checkout.
 
-The sdist and the wheel are built with ``build`` (the wheel from the sdist, so the sdist
-is checked to be complete too), or with ``pip wheel`` when ``build`` is not installed;
-``twine check`` reads their metadata when twine is installed. The tree is copied first:
-a build writes ``build/`` and ``*.egg-info`` where it runs. The wheel's dependencies come
-from the package index.
+The sdist and the wheel are built from a copy of the tree with ``build``'s isolated build
+(the wheel from the sdist, so the sdist is checked to be complete too), or with ``pip
+wheel`` when ``build`` is not installed; ``twine check`` reads their metadata when twine is
+installed. They are built once per test run (tests/releases.py), and the release window's
+test installs the same wheel. The wheel's dependencies come from the package index.
+
+The virtualenv is made without pip and the suite's own pip installs into it (``pip
+--python``): the installed files are the same, without installing pip itself each time.
+Nothing is byte-compiled at install (``--no-compile``): pip ignores a module that fails to
+compile, so compiling at install proves nothing that importing it does not; Python
+compiles each module when the commands first import it.
 
 Run as root, the embedded Postgres runs as the ``postgres`` user and the demo's sandboxed
 play as ``nobody``: like tests/e2e/test_embedded.py, the test's directory (the venv, whose
@@ -29,11 +35,13 @@ import tempfile
 import tomllib
 import zipfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests import leftovers
+from tests import leftovers, releases
+from tests.releases import run
 from worker import embedded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,10 +50,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # that say how this machine runs Postgres and sandboxes, and the session's mark.
 KEEP = {"WORKER_PG_USER", "WORKER_SANDBOX_USER", "WORKER_SANDBOX_BWRAP", leftovers.MARK}
 DROP = ("WORKER_", "PG", "DATABASE_URL", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")
-IGNORED = shutil.ignore_patterns(
-    ".git", "v", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".*_cache",
-    ".hypothesis", "node_modules",
-)  # fmt: skip
 
 
 @pytest.fixture
@@ -59,43 +63,6 @@ def place() -> Iterator[Path]:
         with contextlib.suppress(Exception):
             embedded.stop(path / "home", mode="immediate")
         shutil.rmtree(path, ignore_errors=True)
-
-
-def run(
-    command: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert done.returncode == 0, (
-        f"`{' '.join(command)}` exited {done.returncode}\n"
-        f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    )
-    return done
-
-
-def build(tree: Path, dist: Path) -> list[Path]:
-    """The sdist and the wheel (``build``), or the wheel alone (``pip wheel``)."""
-    if importlib.util.find_spec("build") is not None:
-        run(
-            [sys.executable, "-m", "build", "--outdir", str(dist), str(tree)], cwd=tree, timeout=240
-        )
-    else:
-        run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--wheel-dir",
-                str(dist),
-                str(tree),
-            ],
-            cwd=tree,
-            timeout=240,
-        )
-    return sorted(dist.iterdir())
 
 
 def check_wheel_contents(wheel: Path) -> None:
@@ -135,30 +102,41 @@ def user_env(venv: Path, home: Path) -> dict[str, str]:
 @pytest.mark.timeout(300)
 def test_the_built_wheel_installs_and_runs_the_demo(place: Path) -> None:
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-    tree, dist, venv, home, elsewhere = (
-        place / n for n in ("tree", "dist", "venv", "home", "elsewhere")
-    )
-    shutil.copytree(ROOT, tree, ignore=IGNORED, symlinks=True)
+    venv, home, elsewhere = (place / n for n in ("venv", "home", "elsewhere"))
     elsewhere.mkdir()
 
-    built = build(tree, dist)
-    wheels = [p for p in built if p.suffix == ".whl"]
-    assert len(wheels) == 1 and wheels[0].name.startswith(f"worker-{version}-"), built
+    dist = releases.built_dist()
+    built = [p for p in (dist.sdist, dist.wheel) if p is not None]
+    assert dist.wheel.name.startswith(f"worker-{version}-"), built
     if importlib.util.find_spec("build") is not None:
-        assert [p.name for p in built if p.name.endswith(".tar.gz")] == [f"worker-{version}.tar.gz"]
-    check_wheel_contents(wheels[0])
-    if importlib.util.find_spec("twine") is not None:
-        run(
-            [sys.executable, "-m", "twine", "check", "--strict", *map(str, built)],
-            cwd=place,
-            timeout=120,
-        )
+        assert dist.sdist is not None and dist.sdist.name == f"worker-{version}.tar.gz", built
+    check_wheel_contents(dist.wheel)
 
     env = user_env(venv, home)
-    run([sys.executable, "-m", "venv", str(venv)], cwd=elsewhere, env=env, timeout=120)
-    python = str(venv / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
-    run([*pip, str(wheels[0])], cwd=elsewhere, env=env, timeout=240)
+    with ThreadPoolExecutor(1) as pool:
+        # twine reads the metadata while the wheel is installed.
+        checked = (
+            pool.submit(
+                run,
+                [sys.executable, "-m", "twine", "check", "--strict", *map(str, built)],
+                cwd=place,
+                timeout=120,
+            )
+            if importlib.util.find_spec("twine") is not None
+            else None
+        )
+        run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)],
+            cwd=elsewhere,
+            env=env,
+            timeout=120,
+        )
+        python = str(venv / "bin" / "python")
+        pip = [sys.executable, "-m", "pip", "--python", python, "install"]
+        pip += ["--disable-pip-version-check", "--no-input", "--no-compile"]
+        run([*pip, str(dist.wheel)], cwd=elsewhere, env=env, timeout=240)
+        if checked is not None:
+            checked.result()
     found = run(
         [python, "-c", "import queues, worker; print(queues.__file__); print(worker.__file__)"],
         cwd=elsewhere,
