@@ -17,6 +17,7 @@ Nothing here signals or writes anything; :mod:`worker.embedded` decides.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,18 +127,42 @@ def listen_ports(pid: int) -> list[int]:
 def shm_segment(pid: int) -> tuple[int, int] | None:
     """(key, shmid) of the System V segment ``pid`` created (the postmaster's interlock)."""
     try:
-        rows = Path("/proc/sysvipc/shm").read_text().splitlines()
+        table = Path("/proc/sysvipc/shm").read_text()
     except OSError:
         return None
+    try:
+        maps: str | None = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # another user's process, unless we are root
+        maps = None
+    return segment_of(pid, table, maps)
+
+
+_SYSV_MAP = re.compile(r"/SYSV([0-9a-f]{8})\b")
+
+
+def segment_of(pid: int, table: str, maps: str | None) -> tuple[int, int] | None:
+    """The segment of ``table`` (``/proc/sysvipc/shm``) that ``pid`` created and still has
+    mapped (``maps``, its ``/proc/<pid>/maps``; None when unreadable). A segment outlives
+    a killed postmaster, and its creator's pid is reused: the one this process maps is its
+    own. Without its maps, the one with the most attachments (a leftover has none)."""
+    rows = table.splitlines()
     header = rows[0].split() if rows else []
-    if not {"key", "shmid", "cpid"} <= set(header):
+    if not {"key", "shmid", "cpid", "nattch"} <= set(header):
         return None
-    at = {name: header.index(name) for name in ("key", "shmid", "cpid")}
+    at = {name: header.index(name) for name in ("key", "shmid", "cpid", "nattch")}
+    mapped = {int(k, 16) for k in _SYSV_MAP.findall(maps)} if maps is not None else None
+    found: list[tuple[int, int, int]] = []
     for row in rows[1:]:
         fields = row.split()
-        if len(fields) == len(header) and fields[at["cpid"]] == str(pid):
-            return int(fields[at["key"]]), int(fields[at["shmid"]])
-    return None
+        if len(fields) != len(header) or fields[at["cpid"]] != str(pid):
+            continue
+        key, shmid = int(fields[at["key"]]), int(fields[at["shmid"]])
+        if mapped is None or key in mapped:
+            found.append((int(fields[at["nattch"]]), key, shmid))
+    if not found:
+        return None
+    _, key, shmid = max(found)
+    return key, shmid
 
 
 def parent(pid: int) -> int | None:
