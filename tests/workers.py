@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,6 +76,14 @@ async def running_worker(
     finally:
         worker.stop()
         await asyncio.wait_for(serving, timeout=grace_s + 30)
+
+
+def together(*calls: Callable[[], T]) -> list[T]:
+    """The results of ``calls`` run at once, each in a thread (independent commands that
+    wait on processes and the database); the first failure is raised once all are done."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        running = [pool.submit(call) for call in calls]
+    return [r.result() for r in running]
 
 
 async def eventually(

@@ -5,8 +5,8 @@ Every test runs the installed console script in a subprocess, as an operator wou
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import re
@@ -26,6 +26,7 @@ import pytest
 
 from queues import migrations
 from tests.scratch import scratch
+from tests.workers import together
 from worker import config, embedded
 from worker.cli import cli
 
@@ -62,8 +63,7 @@ def workers_at_once(
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run commands that only read (each its own process, as ``worker`` would) at the same
     time; their results in the order given."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        return list(pool.map(lambda args: worker(*args, env=env), calls))
+    return together(*(functools.partial(worker, *args, env=env) for args in calls))
 
 
 def assert_clean_error(res: subprocess.CompletedProcess[str], code: str, exit_code: int) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import click
 import pytest
 
+from tests.workers import together
 from worker.cli import cli
 
 cli.loaded()  # the commands load lazily; these tests walk all of them
@@ -151,10 +152,7 @@ def test_data_commands_print_json_with_iso_timestamps(db_url: str, tmp_path: Pat
         [disabled] = run_json(env, "sinks", "disable", "crm")
         assert disabled == {"sink": "crm", "enabled": False}
 
-    with ThreadPoolExecutor(2) as pool:
-        sequences = [pool.submit(the_run), pool.submit(the_schema_and_the_sinks)]
-    for sequence in sequences:
-        sequence.result()
+    together(the_run, the_schema_and_the_sinks)
 
     # Then, on what both left (a cancelled run on a reclaimed lane, a disabled sink):
     [recovered] = run_json(env, "recover", "--once")

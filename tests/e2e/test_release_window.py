@@ -57,6 +57,7 @@ import psycopg
 import pytest
 
 from tests import releases
+from tests.workers import together
 
 T = TypeVar("T")
 
@@ -589,14 +590,6 @@ def until(probe_fn: Callable[[], T | None], what: str, tmp: Path, timeout: float
             return found
         assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s\n{tails(tmp)}"
         time.sleep(0.2)
-
-
-def together(*calls: Callable[[], T]) -> list[T]:
-    """The results of ``calls``, run at once (each in a thread: they wait on processes
-    and the database); the first failure is raised once all of them are done."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        running = [pool.submit(call) for call in calls]
-    return [r.result() for r in running]
 
 
 def query(url: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:

@@ -22,22 +22,19 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import psycopg
 import pytest
 
 from queues import runs
-from tests.workers import eventually, fetch
+from tests.workers import eventually, fetch, together
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
 APP = "tests.apps.deploy:registry"
-T = TypeVar("T")
 
 
 def env_for(url: str, **extra: str) -> dict[str, str]:
@@ -251,13 +248,6 @@ async def test_a_rolling_deploy_runs_each_run_on_its_own_release_and_loses_none(
     # The sleeper slept on v1 and, adopted, was finished by v2 (its release is v2 now).
     assert by_id[sleeper].result["slept_on"] == "v1" and by_id[sleeper].release == "v2"
     assert by_id[sleeper].result["woken"] is True
-
-
-def together(*calls: Callable[[], T]) -> list[T]:
-    """The results of ``calls``, run at once (independent commands, each in a thread)."""
-    with ThreadPoolExecutor(len(calls)) as pool:
-        running = [pool.submit(call) for call in calls]
-    return [r.result() for r in running]
 
 
 async def until(url: str, run_ids: list[str], state: str) -> None:

@@ -10,6 +10,7 @@ every claim asked for (``limit``) through the real claim, against a real databas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ from worker.runtime import Worker
 # A worker stopping with plays still held (their runs go back to their lane after the
 # grace): nothing of these tests happens then.
 SHORT_GRACE_S = 0.5
+HOLD_UNDER_S = 0.1  # the claim-ahead bound of the hold tests: a hold of 2 s
 
 
 @pytest.fixture
@@ -100,6 +102,19 @@ class HoldGate:
         """Drop what still waits (a test that failed before it opened the gate)."""
         for task in self.waiting:
             task.cancel()
+
+
+def holding_worker(url: str) -> contextlib.AbstractAsyncContextManager[Worker]:
+    """A worker at concurrency 2 that claims ahead under HOLD_UNDER_S (so its hold is 20
+    times that) and stops with a short grace."""
+    return running_worker(
+        url,
+        registry,
+        release="t",
+        concurrency=2,
+        claim_ahead_under_s=HOLD_UNDER_S,
+        grace_s=SHORT_GRACE_S,
+    )
 
 
 async def two_held_and_four_ahead(url: str, a: Worker, hold_s: float) -> list[uuid.UUID]:
@@ -202,15 +217,7 @@ async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs
     2 s) they go back to the lane, another worker runs them at once, and the first worker
     claims only for free slots from then on (no claiming them back)."""
     await prepare(db_url, monkeypatch)
-    under_s = 0.1
-    async with running_worker(
-        db_url,
-        registry,
-        release="t",
-        concurrency=2,
-        claim_ahead_under_s=under_s,
-        grace_s=SHORT_GRACE_S,
-    ) as a:
+    async with holding_worker(db_url) as a:
         run_ids = await two_held_and_four_ahead(db_url, a, hold_s=10.0)
         held, ahead = run_ids[:2], run_ids[2:]
         claimed_at = asyncio.get_running_loop().time()
@@ -219,7 +226,7 @@ async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs
         ) as b:
             await all_succeeded(db_url, ahead, timeout=8)
             waited = asyncio.get_running_loop().time() - claimed_at
-            assert 20 * under_s - 0.1 <= waited < 20 * under_s + 3
+            assert 20 * HOLD_UNDER_S - 0.1 <= waited < 20 * HOLD_UNDER_S + 3
             assert a.stats["ahead_expired"] == 4
             assert a._prefetch() == 0
             assert await attempts_of(db_url, ahead) == sorted(
@@ -273,15 +280,7 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
     await prepare(db_url, monkeypatch)
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
         await lanes.set_policy(conn, "t", lease_ttl_s=600.0, heartbeat_s=1.0)
-    under_s = 0.1  # a hold of 2 s
-    async with running_worker(
-        db_url,
-        registry,
-        release="t",
-        concurrency=2,
-        claim_ahead_under_s=under_s,
-        grace_s=SHORT_GRACE_S,
-    ) as a:
+    async with holding_worker(db_url) as a:
         with HoldGate(a) as gate:
             run_ids = await two_held_and_four_ahead(db_url, a, hold_s=30.0)
             ahead = run_ids[2:]
