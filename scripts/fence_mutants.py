@@ -5,7 +5,8 @@ path. This script copies the project's tracked files at a commit (HEAD unless ``
 ``--worktree`` copies the working tree's) into a scratch directory, never touching this
 checkout. Then, one mutant at a time, it applies one exact text replacement to one
 ``sql/queries/*.sql`` file of the copy, runs the mutant's test files against the copy with
-this project's interpreter (``pytest -p no:cacheprovider -x -q``), and restores the file.
+this project's interpreter (``pytest -p no:cacheprovider -x -q``, each test stopped after
+``TEST_TIMEOUT_S``), and restores the file.
 A mutant is *killed* when a test fails and fails again when run alone (so a flaky test
 cannot kill it), and *survives* when every selected test passes. Before any mutant, the
 unmutated copy must pass every selected test file (the baseline).
@@ -57,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / "v" / "bin" / "python"
 GUARD = "_fence_mutants_guard"
 MUTANT_TIMEOUT_S = 300.0
+# A test stuck under a mutant fails by itself (pytest-timeout), with its traceback, long
+# before the whole run's bound: the run's report then names it.
+TEST_TIMEOUT_S = 90
 
 # ---- test files --------------------------------------------------------------------------
 
@@ -670,6 +674,7 @@ def run_tests(scratch: Path, tests: tuple[str, ...], env_extra: dict[str, str]) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FENCE_MUTANTS_")}
     env.update(PYTHONPATH=str(scratch), FENCE_MUTANTS_ROOT=str(scratch), **env_extra)
     command = [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-p", GUARD, "-x", "-q"]
+    command += ["-o", f"timeout={TEST_TIMEOUT_S}"]
     started = time.monotonic()
     with subprocess.Popen(
         [*command, *tests],
@@ -979,6 +984,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.verbose:
             say(got.output)
+        elif result in ("timeout", "error"):  # its last lines say where it stopped
+            say("\n".join(got.output.strip().splitlines()[-40:]))
     if args.write_doc:
         if len(rows) != len(MUTANTS) or ref is None:
             say("fence_mutants: --write-doc records a full run of a commit only; not written")

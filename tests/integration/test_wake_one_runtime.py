@@ -57,16 +57,28 @@ def settings(url: str, name: str, **overrides: Any) -> Settings:
 
 @contextlib.asynccontextmanager
 async def worker(url: str, name: str, *, concurrency: int = 10) -> AsyncIterator[Worker]:
-    w = Worker(settings(url, name, concurrency=concurrency))
-    serving = asyncio.create_task(w.run())
+    async with serving(settings(url, name, concurrency=concurrency)) as w:
+        yield w
+
+
+@contextlib.asynccontextmanager
+async def serving(given: Settings) -> AsyncIterator[Worker]:
+    """A worker running until the block ends, ready when it starts. However the block
+    ends (a failed assertion too), held plays are let go and the worker stops, all within
+    a bound: a test that fails never hangs its session."""
+    w = Worker(given)
+    task = asyncio.create_task(w.run())
     ready = asyncio.create_task(w.ready.wait())
-    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
-    assert not serving.done(), serving.result()
+    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED, timeout=PICKUP_S)
+    assert not task.done(), task.result()
+    assert ready.done(), f"{w.s.worker_id} not ready within {PICKUP_S} s"
     try:
         yield w
     finally:
+        for held in gate.values():
+            held.set()
         w.stop()
-        await asyncio.wait_for(serving, 40)
+        await asyncio.wait_for(task, 40)
 
 
 async def done(url: str, run_id: uuid.UUID) -> str:
@@ -141,24 +153,22 @@ async def _running(url: str, run_id: uuid.UUID) -> bool:
 async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
     gate["hold"] = asyncio.Event()
     await submit(db_url, "echo", release=RELEASE)
-    stopping = Worker(settings(db_url, "stopping", grace_s=30.0))
-    serving = asyncio.create_task(stopping.run())
-    await stopping.ready.wait()
-    held = await submit(db_url, "hold", release=RELEASE)
-    await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
-    async with worker(db_url, "stays") as stays:
-        await eventually(lambda: waiting_for_work(db_url, stays), timeout=PICKUP_S)
-        both = await fetch(
-            db_url, "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY id"
-        )
-        assert both == sorted([(stopping.s.worker_id,), (stays.s.worker_id,)])  # either woken
-        stopping.stop()  # drains: waits for its held run
-        await eventually(lambda: _left(db_url, stopping), timeout=PICKUP_S)
-        run_id = await submit(db_url, "echo", release=RELEASE)
-        assert await done(db_url, run_id) == stays.s.worker_id
-        gate["hold"].set()
-        await asyncio.wait_for(serving, 40)
-        assert await done(db_url, held) == stopping.s.worker_id
+    async with serving(settings(db_url, "stopping", grace_s=30.0)) as stopping:
+        held = await submit(db_url, "hold", release=RELEASE)
+        await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
+        async with worker(db_url, "stays") as stays:
+            await eventually(lambda: waiting_for_work(db_url, stays), timeout=PICKUP_S)
+            both = await fetch(
+                db_url, "SELECT id FROM wq_workers WHERE waiting_since IS NOT NULL ORDER BY id"
+            )
+            # either may be woken
+            assert both == sorted([(stopping.s.worker_id,), (stays.s.worker_id,)])
+            stopping.stop()  # drains: waits for its held run
+            await eventually(lambda: _left(db_url, stopping), timeout=PICKUP_S)
+            run_id = await submit(db_url, "echo", release=RELEASE)
+            assert await done(db_url, run_id) == stays.s.worker_id
+            gate["hold"].set()
+            assert await done(db_url, held) == stopping.s.worker_id
 
 
 async def _left(url: str, w: Worker) -> bool:
@@ -180,11 +190,9 @@ async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
         )  # fmt: skip
         channel = await runs.hold_liveness(session, frozen)
         await transport.listen_wake(session, channel)
-        w = Worker(settings(db_url, "polls", poll_s=Settings.poll_s))
-        assert w.s.poll_s == 1.0  # the default
-        serving = asyncio.create_task(w.run())
-        await w.ready.wait()
-        try:
+        polling = settings(db_url, "polls", poll_s=Settings.poll_s)
+        assert polling.poll_s == 1.0  # the default
+        async with serving(polling) as w:
             await eventually(lambda: waiting_for_work(db_url, w), timeout=PICKUP_S)
             # Its turn: the spawn sees the frozen worker waiting and the other one not (its
             # poll may be claiming right then).
@@ -199,9 +207,6 @@ async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
                 (run_id,),
             )
             assert rows[0][0] < 3 * w.s.poll_s  # a poll or two, not a lease or a minute
-        finally:
-            w.stop()
-            await asyncio.wait_for(serving, 40)
 
 
 async def admit_seeing(url: str, *, waiting: list[str], not_waiting: list[str]) -> uuid.UUID:
