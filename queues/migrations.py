@@ -59,7 +59,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import importlib.metadata
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -238,7 +237,7 @@ def installed_procrastinate() -> ProcrastinateChain:
             fix="reinstall procrastinate within the range pyproject.toml pins",
         )
     return ProcrastinateChain(
-        package=importlib.metadata.version("procrastinate"),
+        package=installed_version("procrastinate"),
         migrations=tuple(found[key] for key in sorted(found)),
         schema_sql=_installed_schema,
     )
@@ -337,9 +336,17 @@ def code_schema() -> CodeSchema:
 @functools.cache
 def code_release() -> str:
     """This code's release (its package version), as the database records it."""
+    return installed_version("worker")
+
+
+def installed_version(package: str) -> str:
+    """An installed distribution's version, else ``unknown``. Imported here, not at the
+    module's top: reading the metadata machinery costs every command's start."""
+    from importlib import metadata
+
     try:
-        return importlib.metadata.version("worker")
-    except importlib.metadata.PackageNotFoundError:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
         return "unknown"
 
 

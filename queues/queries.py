@@ -40,7 +40,8 @@ class QueryFileError(ValueError):
     """A malformed query file; raised at import time."""
 
 
-_DOLLAR = re.compile(r"\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
+# What ends plain text: a comment, a line's end, or the opening quote of quoted text.
+_TOKEN = re.compile(r"--[^\n]*|\n|'|\"|\$(?:[A-Za-z_][A-Za-z_0-9]*)?\$")
 
 
 def compact(sql: str, where: str = "query") -> str:
@@ -55,30 +56,25 @@ def compact(sql: str, where: str = "query") -> str:
     one."""
     lines: list[str] = []
     line: list[str] = []
-    i, n = 0, len(sql)
-    while i < n:
-        ch = sql[i]
-        dollar = _DOLLAR.match(sql, i) if ch == "$" else None
-        if ch == "-" and sql.startswith("--", i):
-            end = sql.find("\n", i)
-            i = n if end < 0 else end
-        elif ch == "\n":
+    at = 0
+    while (token := _TOKEN.search(sql, at)) is not None:
+        start, kind = token.start(), token.group(0)
+        line.append(sql[at:start])
+        at = token.end()
+        if kind == "\n":
             if text := "".join(line).strip():
                 lines.append(text)
             line = []
-            i += 1
-        elif ch in "'\"" or dollar is not None:
-            quote = dollar.group(0) if dollar is not None else ch
-            if quote == "'" and sql[i - 1 : i] in ("e", "E") and not sql[i - 2 : i - 1].isalnum():
+        elif not kind.startswith("--"):  # a comment runs to its line's end: dropped
+            escapes = kind == "'" and sql[start - 1 : start] in ("e", "E")
+            if escapes and not sql[start - 2 : start - 1].isalnum():
                 raise QueryFileError(f"{where}: an E'...' string; write it without escapes")
-            end = sql.find(quote, i + len(quote))
+            end = sql.find(kind, at)
             if end < 0:
-                raise QueryFileError(f"{where}: unterminated {quote}")
-            line.append(sql[i : end + len(quote)])
-            i = end + len(quote)
-        else:
-            line.append(ch)
-            i += 1
+                raise QueryFileError(f"{where}: unterminated {kind}")
+            at = end + len(kind)
+            line.append(sql[start:at])
+    line.append(sql[at:])
     if text := "".join(line).strip():
         lines.append(text)
     return "\n".join(lines)

@@ -10,7 +10,6 @@ Fix: ...`` with the exit status of :class:`queues.errors.ExitCode`, never a trac
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import os
 import sys
 import traceback
@@ -94,15 +93,25 @@ class LazyGroup(click.Group):
         self.add_command(command)
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("worker")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``, looked up only when asked."""
+    if not value or ctx.resilient_parsing:
+        return
+    from queues import migrations
+
+    click.echo(f"worker {migrations.code_release()}")
+    ctx.exit()
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(_version(), "--version", prog_name="worker", message="%(prog)s %(version)s")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and exit.",
+)
 @click.option(
     "--database-url",
     help="Postgres URL (default: $WORKER_DATABASE_URL, then $DATABASE_URL, else the embedded "
