@@ -12,7 +12,7 @@ lint: ## ruff (lint and format check) and mypy
 	$(V)/bin/ruff check . && $(V)/bin/mypy
 
 test: ## Run the test suite (starts its own Postgres)
-	$(V)/bin/pytest -n 2 --dist worksteal
+	$(V)/bin/pytest -n 3 --dist worksteal
 
 check: lint test ## Everything CI runs
 
