@@ -33,10 +33,12 @@ def start_worker(url: str, tmp_path: Path) -> subprocess.Popen[bytes]:
 
 
 async def waiting_worker(url: str, pid: int) -> str | None:
+    """The worker of process ``pid`` once it waits for work and holds its liveness lock (its
+    LISTEN session, where its own wakes arrive, is up: its claims begin beside it)."""
     rows = await fetch(
         url,
         "SELECT id FROM wq_workers WHERE pid = %s AND waiting_since IS NOT NULL"
-        " AND stopped_at IS NULL",
+        " AND stopped_at IS NULL AND liveness_key IS NOT NULL",
         (pid,),
     )
     return str(rows[0][0]) if rows else None
