@@ -35,8 +35,11 @@ WORKER = str(Path(sys.executable).parent / "worker")
 MAX_OUTAGE_S = 4.0
 GRACE_S = 2.0
 # What a stop may take beyond its bound: the last loop's turn, closing the pool, the
-# heartbeat thread and the interpreter's exit.
-MARGIN_S = 1.5
+# heartbeat thread and the interpreter's exit, on a loaded machine. It stays under one
+# more MAX_OUTAGE_S, so a worker that waited for the database once more (the limit per
+# loop or per write these bounds exist for) still fails each of them.
+MARGIN_S = 3.0
+assert MARGIN_S < MAX_OUTAGE_S
 
 
 @pytest.fixture
