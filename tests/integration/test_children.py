@@ -108,8 +108,15 @@ async def test_the_recovery_pass_cancels_children_a_cancel_did_not_reach(url: st
         parent = await submit(url, "parent", {"rendezvous": True, "child_sleep": 60})
         await eventually(lambda: children_of(url, parent), timeout=30)
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
-            await runs.cancel(conn, parent, reason="no cascade")  # the bare statement
-            [(child, state)] = await children_of(url, parent)
+            # The bare statement, and the child read before it commits: the worker's own
+            # recovery tick may run any time after, and cancel the child itself.
+            async with conn.transaction():
+                await runs.cancel(conn, parent, reason="no cascade")
+                [(child, state)] = await (
+                    await conn.execute(
+                        "SELECT id, state::text FROM wq_runs WHERE parent_id = %s", (parent,)
+                    )
+                ).fetchall()
             assert state in ("queued", "running")
             report = await recovery.run_once(conn)
             if not report.children_cancelled:
