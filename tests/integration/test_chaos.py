@@ -69,5 +69,7 @@ def test_nothing_is_lost_and_no_late_write_lands_under_kills_zombies_and_restart
     assert report.stale_rows == 0 and report.stale_admissions == 0
     assert report.stale_receipts == 0
     assert report.rows_written_after_close == 0
+    # No live attempt ran a completed step again. (A zombie stopped inside its paying
+    # window pays when woken: zombie_late_payments, made free by the provider's key above.)
     assert report.reexecuted_completed_steps == 0
     assert report.problems == []
