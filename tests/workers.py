@@ -36,6 +36,9 @@ async def connect(url: str) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         await conn.close()
 
 
+READY_S = 30.0  # how long an in-process worker may take to start, on a loaded machine
+
+
 @contextlib.asynccontextmanager
 async def running_worker(
     url: str,
@@ -50,7 +53,9 @@ async def running_worker(
     **settings: Any,
 ) -> AsyncIterator[Worker]:
     """A worker consuming ``release``'s lane in this event loop until the block ends
-    (``settings``: more of its :class:`Settings`, such as ``poll_s``)."""
+    (``settings``: more of its :class:`Settings`, such as ``poll_s``). Its start and its
+    stop are bounded (:data:`READY_S`, the grace plus 30 s): a test that fails never hangs
+    its session."""
     worker = Worker(
         Settings(
             url=url,
@@ -67,10 +72,15 @@ async def running_worker(
     )
     serving = asyncio.create_task(worker.run())
     ready = asyncio.create_task(worker.ready.wait())
-    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED, timeout=READY_S)
     if serving.done():
         ready.cancel()
         raise RuntimeError(f"worker exited before ready: {serving.result()!r}")
+    if not ready.done():
+        ready.cancel()
+        worker.stop()
+        await asyncio.wait_for(serving, timeout=grace_s + 30)
+        raise AssertionError(f"worker {worker.s.worker_id} not ready within {READY_S} s")
     try:
         yield worker
     finally:

@@ -14,7 +14,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from queues import admission, lanes, runs, transport
-from tests.workers import connect, eventually, fetch, run_state, submit, waiting_for_work
+from tests.workers import (
+    connect,
+    eventually,
+    fetch,
+    run_state,
+    running_worker,
+    submit,
+    waiting_for_work,
+)
 from worker.context import RunContext
 from worker.plays import Registry
 from worker.runtime import Settings, Worker
@@ -38,47 +46,21 @@ async def hold(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     return {"worker": ctx.info.worker_id}
 
 
-def settings(url: str, name: str, **overrides: Any) -> Settings:
-    """A worker of this module's lane that polls once a minute unless told otherwise."""
-    given: dict[str, Any] = {
-        "concurrency": 10,
-        "grace_s": 10.0,
-        "poll_s": NO_POLL_S,
-        "worker_id": f"{name}:{uuid.uuid4().hex[:8]}",
-    }
-    return Settings(
-        url=url,
-        release=RELEASE,
-        registry=registry,
-        install_signals=False,
-        **(given | overrides),
-    )
-
-
 @contextlib.asynccontextmanager
-async def worker(url: str, name: str, *, concurrency: int = 10) -> AsyncIterator[Worker]:
-    async with serving(settings(url, name, concurrency=concurrency)) as w:
-        yield w
-
-
-@contextlib.asynccontextmanager
-async def serving(given: Settings) -> AsyncIterator[Worker]:
-    """A worker running until the block ends, ready when it starts. However the block
-    ends (a failed assertion too), held plays are let go and the worker stops, all within
-    a bound: a test that fails never hangs its session."""
-    w = Worker(given)
-    task = asyncio.create_task(w.run())
-    ready = asyncio.create_task(w.ready.wait())
-    await asyncio.wait([task, ready], return_when=asyncio.FIRST_COMPLETED, timeout=PICKUP_S)
-    assert not task.done(), task.result()
-    assert ready.done(), f"{w.s.worker_id} not ready within {PICKUP_S} s"
-    try:
-        yield w
-    finally:
-        for held in gate.values():
-            held.set()
-        w.stop()
-        await asyncio.wait_for(task, 40)
+async def worker(url: str, name: str, **settings: Any) -> AsyncIterator[Worker]:
+    """A worker of this module's lane that polls once a minute unless told otherwise
+    (``settings``: more of its :class:`Settings`). However the block ends (a failed
+    assertion too), the held plays are let go before it stops."""
+    given: dict[str, Any] = {"concurrency": 10, "grace_s": 10.0, "poll_s": NO_POLL_S}
+    async with running_worker(
+        url, registry, release=RELEASE, worker_id=f"{name}:{uuid.uuid4().hex[:8]}",
+        **(given | settings),
+    ) as w:  # fmt: skip
+        try:
+            yield w
+        finally:
+            for held in gate.values():
+                held.set()
 
 
 async def done(url: str, run_id: uuid.UUID) -> str:
@@ -153,7 +135,7 @@ async def _running(url: str, run_id: uuid.UUID) -> bool:
 async def test_a_stopping_worker_is_not_woken_for_new_runs(db_url: str) -> None:
     gate["hold"] = asyncio.Event()
     await submit(db_url, "echo", release=RELEASE)
-    async with serving(settings(db_url, "stopping", grace_s=30.0)) as stopping:
+    async with worker(db_url, "stopping", grace_s=30.0) as stopping:
         held = await submit(db_url, "hold", release=RELEASE)
         await eventually(lambda: _running(db_url, held), timeout=PICKUP_S)
         async with worker(db_url, "stays") as stays:
@@ -190,9 +172,8 @@ async def test_a_paused_worker_woken_in_vain_delays_a_run_by_one_poll_at_most(
         )  # fmt: skip
         channel = await runs.hold_liveness(session, frozen)
         await transport.listen_wake(session, channel)
-        polling = settings(db_url, "polls", poll_s=Settings.poll_s)
-        assert polling.poll_s == 1.0  # the default
-        async with serving(polling) as w:
+        async with worker(db_url, "polls", poll_s=Settings.poll_s) as w:
+            assert w.s.poll_s == 1.0  # the default
             await eventually(lambda: waiting_for_work(db_url, w), timeout=PICKUP_S)
             # Its turn: the spawn sees the frozen worker waiting and the other one not (its
             # poll may be claiming right then).
