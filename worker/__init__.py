@@ -40,7 +40,7 @@ _EXPORTS = {
     "ChildFailed": "worker.context",
     "WaitTimedOut": "worker.context",
     "Sheet": "worker.context",
-    "Fatal": "worker.plays",
+    "Fatal": "worker.endings",
     "RowCompletion": "queues.sheets",
     "Disposition": "queues.sheets",
     "StaleReason": "queues.sheets",
@@ -135,7 +135,8 @@ if TYPE_CHECKING:
         StaleReason,
     )
     from worker.context import ChildFailed, RunContext, Sheet, WaitTimedOut
-    from worker.plays import Fatal, Registry
+    from worker.endings import Fatal
+    from worker.plays import Registry
 
 
 def __getattr__(name: str) -> Any:

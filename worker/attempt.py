@@ -19,26 +19,22 @@ cancel hooks and writes ``cancelled``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from queues import fields, outcomes, runs, tracing
+from queues import outcomes, runs, tracing
 from queues.authority import AttemptTokens
-from queues.errors import FenceError, WorkerError
+from queues.errors import FenceError
 from queues.outcomes import Finish
-from worker import instruments
-from worker.blips import is_blip
+from worker import instruments, sandbox
 from worker.context import RunContext, Suspend
-from worker.plays import Fatal, Play
-
-if TYPE_CHECKING:
-    from worker.sandbox import Launcher
+from worker.endings import Fatal, budget, is_fatal, past_deadline, success, until_deadline
+from worker.plays import Play
+from worker.sandbox import Launcher
 
 log = structlog.get_logger("worker.attempt")
 
@@ -52,15 +48,6 @@ class Ended:
 
     finish: Finish | None  # None: stale, nothing to write
     event: str | None = None  # suspend on this event: written under the event's lock
-
-
-def budget(c: runs.Claimed) -> outcomes.Budget:
-    return outcomes.Budget(
-        policy=c.retry,
-        failures=c.failures or 0,
-        interruptions=c.interruptions or 0,
-        max_interruptions=c.max_interruptions or 0,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +104,6 @@ async def _run(
         # came late): failed without running anything.
         return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
     if play is not None and play.sandboxed and sandbox_spec is not None:
-        from worker import sandbox
-
         ended = await sandbox.run_attempt(
             c,
             ctx.info,
@@ -135,8 +120,8 @@ async def _run(
             # cancel); the run fails.
             return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
         if isinstance(ended, tuple):
-            return Ended(_until_deadline(c, ended[0]), event=ended[1])
-        return Ended(None if ended is None else _until_deadline(c, ended))
+            return Ended(until_deadline(c, ended[0]), event=ended[1])
+        return Ended(None if ended is None else until_deadline(c, ended))
     if c.cleanup:
         return Ended(await cleanup(c, ctx, play))
     try:
@@ -159,7 +144,7 @@ async def _run(
         final = outcomes.suspended(
             c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
         )
-        return Ended(_until_deadline(c, final), event=suspend.event)
+        return Ended(until_deadline(c, final), event=suspend.event)
     except FenceError as exc:
         log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
         return Ended(None)
@@ -177,53 +162,6 @@ async def _run(
             exc_info=final.outcome is not outcomes.Outcome.INTERRUPTED,
         )
         return Ended(final)
-
-
-def is_fatal(exc: BaseException) -> bool:
-    """Whether a play's exception fails its run at once: the play's ``Fatal``, or a
-    refusal of the project's that no later attempt could get past; never the database
-    going away (an interruption) or a refusal that passes (``WorkerError.passes``: an
-    older receiver during a rollout). The one rule, for in-process and sandboxed plays."""
-    if outcomes.is_interruption(exc) or is_blip(exc):
-        return False
-    if isinstance(exc, WorkerError):
-        return not exc.passes
-    return isinstance(exc, Fatal)
-
-
-def past_deadline(c: runs.Claimed) -> bool:
-    """Whether the run's timeout had passed when this attempt was claimed."""
-    claimed_at = c.claimed_at
-    return c.timeout_at is not None and claimed_at is not None and claimed_at >= c.timeout_at
-
-
-def _until_deadline(c: runs.Claimed, final: Finish) -> Finish:
-    """A suspension wakes the run by its timeout at the latest (to fail it then)."""
-    if c.timeout_at is None or final.state != outcomes.RunState.SLEEPING:
-        return final
-    if final.spawn_at is not None and final.spawn_at <= c.timeout_at:
-        return final
-    return dataclasses.replace(final, spawn=True, spawn_at=c.timeout_at)
-
-
-def success(c: runs.Claimed, result: Any) -> Finish:
-    assert c.attempt is not None
-    try:
-        # The one JSON rule (no NaN, no NUL, no lone surrogate, bounded depth and size): a
-        # result the database would refuse must fail this run, not the finish batch it
-        # shares with other runs.
-        fields.encode(result, field="result", max_bytes=fields.MAX_RESULT_BYTES)
-    except WorkerError as exc:
-        return outcomes.failed(
-            c.run_id,
-            c.attempt,
-            {"type": "ResultNotJSON", "message": f"the play's result: {exc.message}"},
-            c.retry,
-            now=datetime.now(UTC),
-            failure=(c.failures or 0) + 1,
-            retryable=False,
-        )
-    return outcomes.succeeded(c.run_id, c.attempt, result)
 
 
 async def cleanup(c: runs.Claimed, ctx: RunContext, play: Play | None) -> Finish:

@@ -17,7 +17,7 @@ import contextlib
 import inspect
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,10 +30,12 @@ from queues.fence import Fence
 from queues.options import RunOptions
 from worker import instruments
 from worker.contract import Transport
-from worker.plays import CleanupFn, Fatal
+from worker.endings import Fatal
 
 STEP_LEASE_S = receipts.STEP_LEASE_S
 EVENT_NAME_MAX = 200
+
+CleanupFn = Callable[["RunContext"], Awaitable[None]]  # a cancel hook (``ctx.on_cancel``)
 
 
 class Suspend(BaseException):

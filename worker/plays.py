@@ -1,14 +1,13 @@
 """The play registry: ``@registry.play`` on ``async def play(ctx, params)``.
 
-A worker loads its registry from ``--app module:attribute`` (or ``WORKER_APP``); without
-one it serves the project's demo plays.
+A worker loads its registry from ``--app module:attribute`` (or ``WORKER_APP``,
+:func:`load_registry`); without one the CLI serves the project's demo plays.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,16 +16,15 @@ from typing import TYPE_CHECKING, Any
 from queues import fields
 from queues.errors import AppInvalid, InvalidField
 from queues.schedules import Timing
+from worker import endings
 
 if TYPE_CHECKING:
-    from worker.context import RunContext
+    from worker.context import CleanupFn, RunContext
+
+# Plays have always imported Fatal from here; the rule it belongs to is worker.endings'.
+Fatal = endings.Fatal
 
 PlayFn = Callable[["RunContext", dict[str, Any]], Awaitable[Any]]
-CleanupFn = Callable[["RunContext"], Awaitable[None]]
-
-
-class Fatal(Exception):
-    """Raised by a play for a failure that retrying cannot fix (bad params, 4xx)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,17 +241,6 @@ def _least_authority(
     spawnable = frozenset(fields.play_name(p, field="may_spawn") for p in may_spawn or ())
     keys = frozenset(fields.limit_key(k, field="limits") for k in limits or ())
     return spawnable, keys, Resources.checked(resources)
-
-
-def load_app(spec: str | None) -> Registry:
-    """The plays of ``module:attribute`` (``--app``, else ``WORKER_APP``); with neither, the
-    project's demo plays (``worker.demo``), which are never mixed into an app's."""
-    spec = spec or os.environ.get("WORKER_APP")
-    if not spec:
-        from worker.demo import demo_plays
-
-        return demo_plays
-    return load_registry(spec)
 
 
 _MODULE_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")

@@ -350,13 +350,22 @@ class Worker:
         if self.s.install_signals:
             stopping.on_stop_signals(self.request_stop)
         listening = self.listen_url is not None
+        assert self.pool is not None
         self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
         tasks = [
             self._claiming,
             asyncio.create_task(self._finish_loop(), name="finish"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
             asyncio.create_task(self._peers_loop(), name="peers"),
-            asyncio.create_task(scheduler.run(self), name="schedules"),
+            asyncio.create_task(
+                scheduler.run(
+                    self.pool,
+                    release=self.s.release,
+                    plays=self.s.registry.names(),
+                    stopping=self.stopping,
+                ),
+                name="schedules",
+            ),
             projector.start(
                 self.s.url,
                 self.stopping,

@@ -66,11 +66,12 @@ import structlog
 from queues import fields, outcomes, runs
 from queues.authority import AttemptTokens
 from queues.errors import FenceError, SandboxUnavailable
-from worker import instruments
+from worker import endings, instruments
 from worker.blips import is_blip
 from worker.context import RunContext, RunInfo, Suspend
 from worker.contract import Absorbing, GatewayTransport, gateway_socket
-from worker.plays import Fatal, Play, Resources, load_registry
+from worker.endings import Fatal
+from worker.plays import Play, Resources, load_registry
 
 log = structlog.get_logger("worker.sandbox")
 
@@ -588,9 +589,7 @@ def _unavailable(c: runs.Claimed, detail: str) -> outcomes.Finish:
     log.error("sandbox_unavailable", play=c.play, error=exc.message[:500])
     if c.cleanup:
         return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")
-    from worker import attempt as attempts
-
-    budget = attempts.budget(c)
+    budget = endings.budget(c)
     return outcomes.failed(
         c.run_id,
         c.attempt,
@@ -614,13 +613,11 @@ def _last_json(lines: list[bytes]) -> dict[str, Any]:
 def _finish(
     c: runs.Claimed, outcome: dict[str, Any]
 ) -> outcomes.Finish | tuple[outcomes.Finish, str] | None:
-    from worker import attempt as attempts  # the outcome rules of an in-process attempt
-
     assert c.attempt is not None
     instruments.from_sandbox(c.play or "", outcome.get("counts"))
     status = outcome.get("status")
     if status == "returned":
-        return attempts.success(c, outcome.get("result"))
+        return endings.success(c, outcome.get("result"))
     if status == "cancelled":
         return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")
     if status == "fenced":
@@ -650,7 +647,7 @@ def _finish(
         error=f"{error['type']}: {error['message']}"[:500],
         traceback=error.get("traceback"),
     )
-    budget = attempts.budget(c)
+    budget = endings.budget(c)
     now = datetime.now(UTC)
     if outcome.get("interrupted"):  # the gateway went away under it: not its fault
         return outcomes.interrupted(
@@ -822,15 +819,13 @@ async def _ended(
     except FenceError as exc:
         return {"status": "fenced", "code": exc.code, "message": exc.message}
     except Exception as exc:
-        from worker import attempt as attempts  # the one rule of what fails a run at once
-
         return {
             "status": "raised",
             "type": type(exc).__name__,
             "message": str(exc)[:2000],
             "code": getattr(exc, "code", None),
             "traceback": outcomes.bounded_traceback(exc),
-            "fatal": attempts.is_fatal(exc),
+            "fatal": endings.is_fatal(exc),
             # An outage its calls could not absorb (worker.contract): not the play's fault.
             "interrupted": is_blip(exc),
         }

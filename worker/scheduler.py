@@ -12,18 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 import structlog
-from psycopg_pool import PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import schedules
 from worker.plays import Registry
-
-if TYPE_CHECKING:
-    from worker.runtime import Worker
 
 log = structlog.get_logger("worker.scheduler")
 
@@ -65,15 +63,17 @@ def _delay(next_due: datetime | None, now: datetime) -> float:
     return min(IDLE_S, max(MIN_S, left)) + random.uniform(0, MIN_S)
 
 
-async def run(worker: Worker) -> None:
-    """Admit due ticks of this worker's plays on its own lane until the worker stops."""
-    plays = sorted(worker.s.registry.names())
-    assert worker.pool is not None
-    while not worker.stopping.is_set():
+async def run(
+    pool: AsyncConnectionPool[Any], *, release: str, plays: Iterable[str], stopping: asyncio.Event
+) -> None:
+    """Admit due ticks of ``plays`` (the worker's app) on ``release``'s lane until
+    ``stopping`` is set."""
+    names = sorted(plays)
+    while not stopping.is_set():
         delay = POLL_S
         try:
-            async with worker.pool.connection() as conn:
-                done = await schedules.admit_due(conn, release=worker.s.release, plays=plays)
+            async with pool.connection() as conn:
+                done = await schedules.admit_due(conn, release=release, plays=names)
             for tick in done.ticked:
                 log.info(
                     "schedule_ticked",
@@ -90,4 +90,4 @@ async def run(worker: Worker) -> None:
         except Exception as exc:  # a scheduling bug must not stop the worker's runs
             log.error("schedule_pass_failed", error=repr(exc)[:300])
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(worker.stopping.wait(), delay)
+            await asyncio.wait_for(stopping.wait(), delay)

@@ -1,5 +1,5 @@
 """What fails a run at once, the one rule for in-process and sandboxed plays
-(``worker.attempt.is_fatal``): the play's ``Fatal`` and the project's refusals, except a
+(``worker.endings.is_fatal``): the play's ``Fatal`` and the project's refusals, except a
 refusal a later attempt may get past (an older receiver mid-rollout) and the database
 going away."""
 
@@ -16,7 +16,7 @@ from queues.errors import (
     WorkerError,
     WriteIntentUnavailable,
 )
-from worker.attempt import is_fatal
+from worker.endings import is_fatal
 from worker.plays import Fatal
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import getpass
+import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,7 +19,7 @@ import structlog
 
 from queues import fields, roles
 from queues.errors import InvalidField, WorkerError
-from worker import config, db, embedded
+from worker import config, db, embedded, plays
 from worker.outage import MAX_OUTAGE_S
 from worker.output import EXIT_BY_STATE, exit_code_of, iso, printable, to_json
 
@@ -230,3 +231,14 @@ __all__ = [
     "run",
     "to_json",
 ]
+
+
+def load_app(spec: str | None) -> plays.Registry:
+    """The plays of ``module:attribute`` (``--app``, else ``WORKER_APP``); with neither, the
+    project's demo plays (``worker.demo``), which are never mixed into an app's."""
+    spec = spec or os.environ.get("WORKER_APP")
+    if not spec:
+        from worker.demo import demo_plays
+
+        return demo_plays
+    return plays.load_registry(spec)

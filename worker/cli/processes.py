@@ -26,7 +26,6 @@ from worker import (
     db,
     gateway,
     metrics_http,
-    plays,
     projector,
     runtime,
     stopping,
@@ -37,6 +36,7 @@ from worker.cli.common import (
     State,
     emit_json,
     json_option,
+    load_app,
     max_outage_option,
     pass_state,
     run,
@@ -233,7 +233,7 @@ def start(
         max_connections, listening=listen is not None or mode is config.PoolMode.SESSION
     )
     adopted = tuple(lanes.validate_release(other, field="--adopt") for other in adopt)
-    registry = plays.load_app(app)
+    registry = load_app(app)
     if wait_for_schema is not None:
         _wait_for_schema(state.url, wait_for_schema)
     secret = (

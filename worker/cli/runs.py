@@ -16,7 +16,7 @@ from queues import admission, children, fields, inputs, lanes, migrations, opera
 from queues import options as run_options
 from queues.errors import ExitCode, InputError, InvalidField, PayloadTooLarge
 from queues.options import RunOptions
-from worker import config, observe, plays
+from worker import config, observe
 from worker.cli.common import (
     Conn,
     Duration,
@@ -27,6 +27,7 @@ from worker.cli.common import (
     exit_code_of,
     iso,
     json_option,
+    load_app,
     max_outage_option,
     parse_run_id,
     pass_state,
@@ -393,7 +394,7 @@ def submit(
                 config.default_release() if release is None else release, field="--release"
             ),
             org=org,
-            known=plays.load_app(named_app).names() if named_app else None,
+            known=load_app(named_app).names() if named_app else None,
             as_json=as_json,
         )
         return
@@ -423,7 +424,7 @@ def submit(
     # The plays are known here only when the app is named (--app or WORKER_APP); otherwise
     # the worker refuses an unknown play (without burning an attempt). Admission-only mode
     # loads it too: importing the app is how a serverless caller refuses a typo early.
-    known = plays.load_app(named_app).names() if named_app else None
+    known = load_app(named_app).names() if named_app else None
     admission.validate(sub, known)
     # Every check of the input happens before anything is written; the rows are streamed.
     rows = inputs.read_pages(input_path) if input_path else None
