@@ -164,14 +164,15 @@ class LocalTransport:
     def __init__(
         self,
         pool: AsyncConnectionPool[Any],
-        claims: Claims,
-        ledger_claims: Claims,
+        claims: Callable[[bool], Claims],
         *,
         hold: bool = False,
     ) -> None:
         self._pool = pool
-        self._claims = claims
-        self._ledger_claims = ledger_claims
+        # The attempt's claims, made at its first call that needs them (most attempts of a
+        # trivial play make none): claims(False) the executor's, claims(True) the ledger's.
+        self._claims_of = claims
+        self._claims: dict[bool, Claims] = {}
         self._hold = hold
         self._held: Any = None  # the attempt's connection between its calls
         self._busy = False
@@ -181,7 +182,9 @@ class LocalTransport:
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
     ) -> Any:
         ledger = action in operations.LEDGER_ACTIONS
-        claims = self._ledger_claims if ledger else self._claims
+        claims = self._claims.get(ledger)
+        if claims is None:
+            claims = self._claims[ledger] = self._claims_of(ledger)
         body = _body(action, payload, idempotency_key, claims.owner)
         if not self._hold or self._busy:
             async with self._pool.connection() as conn:

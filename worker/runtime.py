@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -894,16 +895,9 @@ class Worker:
             meta=c.meta,
             resumed=bool(c.resumed),
         )
-        descriptor = c.descriptor
         transport = LocalTransport(
             self.pool,
-            authority.claims_of_attempt(descriptor, attempt=c.attempt, owner=self.s.worker_id),
-            authority.claims_of_attempt(
-                descriptor,
-                attempt=c.attempt,
-                owner=self.s.worker_id,
-                capabilities=[authority.LEDGER_PROJECT],
-            ),
+            functools.partial(_attempt_claims, c, self.s.worker_id),
             # An attempt keeps its connection between calls when the pool has one for every
             # attempt besides the worker's loops (not under a tighter max_connections).
             hold=self.budget is not None
@@ -1200,6 +1194,16 @@ class Worker:
             {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
             for run_id, live in list(self.live.items())
         ]
+
+
+def _attempt_claims(c: runs.Claimed, owner: str, ledger: bool) -> authority.Claims:
+    """An in-process attempt's claims, from its run's authority: the executor's, or with
+    ``ledger`` the ledger projector's."""
+    assert c.attempt is not None
+    capabilities = [authority.LEDGER_PROJECT] if ledger else None
+    return authority.claims_of_attempt(
+        c.descriptor, attempt=c.attempt, owner=owner, capabilities=capabilities
+    )
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:

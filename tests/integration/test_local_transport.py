@@ -54,7 +54,7 @@ async def transport(db_url: str, pool: AsyncConnectionPool[Any], hold: bool) -> 
         a = await attempts.start(conn, now=datetime.now(UTC))
     descriptor = a.claimed.descriptor
     claims = authority.claims_of_attempt(descriptor, attempt=a.fence.attempt, owner="w1")
-    return LocalTransport(pool, claims, claims, hold=hold)
+    return LocalTransport(pool, lambda ledger: claims, hold=hold)
 
 
 async def test_a_holding_attempt_makes_every_call_on_one_connection(
@@ -113,3 +113,39 @@ async def test_a_cancelled_call_still_gives_the_held_connection_back(
             break
         await asyncio.sleep(0.01)
     assert pool.get_stats()["pool_available"] == SIZE
+
+
+async def test_claims_are_made_at_the_first_call_that_needs_them(
+    db_url: str, pool: AsyncConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An attempt that makes no call (most of a trivial play's) makes no claims; each kind
+    (the executor's, the ledger projector's) is made once, at its first call, and every
+    call is dispatched with its own kind."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        a = await attempts.start(conn, now=datetime.now(UTC))
+    made: list[bool] = []
+
+    def claims(ledger: bool) -> authority.Claims:
+        made.append(ledger)
+        caps = [authority.LEDGER_PROJECT] if ledger else None
+        return authority.claims_of_attempt(
+            a.claimed.descriptor, attempt=a.fence.attempt, owner="w1", capabilities=caps
+        )
+
+    dispatched: list[authority.Claims] = []
+
+    async def spy(conn: Any, body: Any, claims: authority.Claims, **kw: Any) -> Any:
+        dispatched.append(claims)
+
+    monkeypatch.setattr(operations, "dispatch", spy)
+    t = LocalTransport(pool, claims, hold=True)
+    await t.aclose()
+    assert made == []
+    ledger_action = sorted(operations.LEDGER_ACTIONS)[0]
+    for action in ("runtime_now", "runtime_now", ledger_action, "runtime_now", ledger_action):
+        await t.call(action, {})
+    await t.aclose()
+    assert made == [False, True]
+    assert [authority.LEDGER_PROJECT in c.capabilities for c in dispatched] == [
+        False, False, True, False, True,
+    ]  # fmt: skip
