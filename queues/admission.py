@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, LiteralString
 
 import psycopg
 import structlog
-from psycopg import pq
 from psycopg.types.json import Jsonb
 
 from queues import fields, lanes, migrations, tracing
@@ -41,7 +40,7 @@ from queues.errors import (
 )
 from queues.inputs import InputPages
 from queues.options import RunOptions
-from queues.queries import q
+from queues.queries import one_statement, q
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -195,13 +194,9 @@ async def _admit_statement(
     if not options.empty:
         statement = q("run_submit_options")
         args["options"] = Jsonb(options.as_json())
-    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+    async with one_statement(conn):  # in a caller's transaction a refusal leaves it intact
         cur = await _execute_translated(conn, statement, args)
         row = await cur.fetchone()
-    else:
-        async with conn.transaction():  # a savepoint: a refusal leaves the caller's intact
-            cur = await _execute_translated(conn, statement, args)
-            row = await cur.fetchone()
     assert row is not None  # the function returns one row or raises
     run_id, created, admitted_lane, job_id = row
     return Admitted(run_id=run_id, created=created, lane=admitted_lane, job_id=job_id)
@@ -265,13 +260,9 @@ async def _admit_many(
         "priorities": [sub.priority for sub in subs],
         "authorities": _authorities(subs, ids, authority),
     }
-    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+    async with one_statement(conn):  # in a caller's transaction a refusal leaves it intact
         cur = await _execute_translated(conn, q("run_submit_many"), args)
         rows = await cur.fetchall()
-    else:
-        async with conn.transaction():  # a savepoint: a refusal leaves the caller's intact
-            cur = await _execute_translated(conn, q("run_submit_many"), args)
-            rows = await cur.fetchall()
     return [
         Admitted(run_id=run_id, created=created, lane=lane, job_id=job_id)
         for run_id, created, lane, job_id in rows

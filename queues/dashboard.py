@@ -15,6 +15,7 @@ import psycopg
 from psycopg.rows import class_row
 
 from queues import ledger, metrics, operator, recovery, runs, totals
+from queues.lanes import Lane
 from queues.queries import q
 from queues.receipts import Scope
 
@@ -178,26 +179,6 @@ async def run_detail(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> R
 
 
 @dataclass(frozen=True, slots=True)
-class LanePolicy:
-    name: str
-    release: str
-    state: str
-    concurrency: int
-    lease_ttl_s: float
-    heartbeat_s: float
-    retry_max_attempts: int
-    retry_base_s: float
-    retry_cap_s: float
-    retry_jitter: float
-    max_interruptions: int
-    retention_s: float
-    prepared_at: datetime
-    updated_at: datetime
-    run_timeout_s: float = 0.0
-    org_concurrency: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class StrandedRun:
     id: uuid.UUID
     lane: str
@@ -209,7 +190,7 @@ class StrandedRun:
 
 @dataclass(frozen=True, slots=True)
 class LanesView:
-    lanes: list[LanePolicy]
+    lanes: list[Lane]
     numbers: dict[str, metrics.LaneMetrics]
     stranded: list[recovery.StrandedLane]
     stranded_runs: list[StrandedRun]
@@ -217,7 +198,7 @@ class LanesView:
 
 
 async def lanes_view(conn: psycopg.AsyncConnection[Any]) -> LanesView:
-    async with conn.cursor(row_factory=class_row(LanePolicy)) as cur:
+    async with conn.cursor(row_factory=class_row(Lane)) as cur:
         await cur.execute(q("dashboard_lanes"))
         found = await cur.fetchall()
     measured = await metrics.collect(conn)
