@@ -19,7 +19,8 @@ SELECT r.retry_max_attempts AS max_attempts, r.retry_kind, r.retry_base_s, r.ret
 
 -- name: options_expire_unstarted :many
 -- Fail a batch of runs never started whose claim deadline passed (no worker claimed them in
--- time): START_DEADLINE_PASSED, `run_failed` in the ledger, their waiting job withdrawn.
+-- time): START_DEADLINE_PASSED, `run_failed` in the ledger (the run row stands for it, under
+-- the seq it takes: docs/design.md, 11b), their waiting job withdrawn.
 -- Runs are taken FOR UPDATE SKIP LOCKED (safe from several hosts); a job a claim holds
 -- right now is not waited for (withdraw skips it): that claim finds the run failed and
 -- drops the delivery. Bounded by the batch, through wq_runs_start_by_idx.
@@ -39,17 +40,22 @@ WITH late AS (
                'message', 'the run was not started by its claim deadline ' || l.start_by),
            job_id = NULL,
            finished_at = coalesce(%(now)s::timestamptz, now()),
-           updated_at = now()
+           updated_at = now(),
+           (ledger_seq, ledger_end_seq) =
+               (SELECT n, n FROM wq_ledger_next_seq(r.id, r.ledger_seq) AS n),
+           ledger_end_kind = 'run_failed',
+           ledger_end_data = jsonb_build_object('code', 'START_DEADLINE_PASSED',
+                                                'start_by', l.start_by),
+           ledger_end_at = now()
       FROM late l
      WHERE r.id = l.id
-    RETURNING r.id, l.start_by
+    RETURNING r.id, r.ledger_end_seq, r.ledger_end_data
 ), jobs AS (
     -- One row, read by the final SELECT so that it runs.
     SELECT wq_transport_withdraw(array_agg(l.job_id)) AS withdrawn FROM late l
 ), events AS (
-    INSERT INTO wq_events (run_id, kind, data)
-    SELECT f.id, 'run_failed',
-           jsonb_build_object('code', 'START_DEADLINE_PASSED', 'start_by', f.start_by)
+    INSERT INTO wq_events (run_id, kind, data, seq)
+    SELECT f.id, 'run_failed', f.ledger_end_data, f.ledger_end_seq
       FROM failed f
 )
 SELECT f.id AS run_id

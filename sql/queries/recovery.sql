@@ -265,20 +265,26 @@ SELECT f.id AS run_id, f.lane, f.reason,
 
 -- name: recovery_cancel_orphans :many
 -- Finish locked sleepers whose cancellation was requested (a claim would only drop them).
+-- The run row stands for their run_cancelled, under the seq it takes (docs/design.md, 11b).
 WITH done AS (
     UPDATE wq_runs r
        SET state = 'cancelled',
            job_id = NULL,
            finished_at = coalesce(%(now)s::timestamptz, now()),
-           updated_at = now()
+           updated_at = now(),
+           (ledger_seq, ledger_end_seq) =
+               (SELECT n, n FROM wq_ledger_next_seq(r.id, r.ledger_seq) AS n),
+           ledger_end_kind = 'run_cancelled',
+           ledger_end_data = jsonb_strip_nulls(jsonb_build_object('reason', r.cancel_reason)),
+           ledger_end_at = now()
      WHERE r.id = ANY (%(run_ids)s::uuid[])
        AND r.state = 'sleeping'
        AND r.cancel_requested_at IS NOT NULL
        AND NOT wq_transport_job_waiting(r.job_id)
-    RETURNING r.id, r.cancel_reason
+    RETURNING r.id, r.ledger_end_seq, r.ledger_end_data
 ), events AS (
-    INSERT INTO wq_events (run_id, kind, data)
-    SELECT id, 'run_cancelled', jsonb_strip_nulls(jsonb_build_object('reason', cancel_reason))
+    INSERT INTO wq_events (run_id, kind, data, seq)
+    SELECT id, 'run_cancelled', ledger_end_data, ledger_end_seq
       FROM done
 )
 SELECT id AS run_id FROM done;

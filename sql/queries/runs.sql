@@ -171,7 +171,17 @@ WITH delivery AS (
                                        || r.release) END,
            job_id = NULL,
            finished_at = now(),
-           updated_at = now()
+           updated_at = now(),
+           -- The run row stands for its run_failed or run_cancelled (docs/design.md, 11b).
+           (ledger_seq, ledger_end_seq) =
+               (SELECT n, n FROM wq_ledger_next_seq(r.id, r.ledger_seq) AS n),
+           ledger_end_kind = CASE WHEN r.cancel_requested_at IS NULL THEN 'run_failed'
+                                  ELSE 'run_cancelled' END,
+           ledger_end_data = jsonb_build_object(
+               'code', CASE WHEN r.play = ANY (%(plays)s::text[])
+                            THEN 'START_DEADLINE_PASSED' ELSE 'PLAY_UNKNOWN' END,
+               'play', r.play),
+           ledger_end_at = now()
       FROM delivery d
      WHERE r.id = ANY (ARRAY(SELECT d.run_id FROM delivery d))  -- by key (run_claim_batch)
        AND r.id = d.run_id
@@ -181,11 +191,10 @@ WITH delivery AS (
        AND (NOT (r.play = ANY (%(plays)s::text[]))
             OR (r.started_at IS NULL
                 AND r.start_by < coalesce(%(now)s::timestamptz, now())))
-    RETURNING r.id, d.id AS job_id, r.play, r.state, r.error ->> 'code' AS code
+    RETURNING r.id, d.id AS job_id, r.ledger_end_seq, r.ledger_end_kind, r.ledger_end_data
 ), unknown_event AS (
-    INSERT INTO wq_events (run_id, kind, data)
-    SELECT id, CASE WHEN state = 'failed' THEN 'run_failed' ELSE 'run_cancelled' END,
-           jsonb_build_object('code', code, 'play', play)
+    INSERT INTO wq_events (run_id, kind, data, seq)
+    SELECT id, ledger_end_kind, ledger_end_data, ledger_end_seq
       FROM unknown
 ), settled AS (
     -- This statement's snapshot does not show the failures above: those jobs are

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from queues import children, operator, runs
+from queues import admission, children, lanes, operator, options, recovery, runs
 from queues.options import RunOptions
 from queues.outcomes import cancelled, failed, succeeded, suspended
 from tests import attempts
@@ -27,6 +27,7 @@ from tests.attempts import ORG, PLAY, T0
 
 Conn = psycopg.AsyncConnection[Any]
 Row = tuple[int, str, int | None, Any]  # seq, kind, attempt, data
+SECOND = timedelta(seconds=1)
 
 # The kinds the state rows stand for (design 11b); the scenarios below write each of them.
 STATE_KINDS = {
@@ -166,6 +167,43 @@ async def _scenarios(conn: Conn) -> dict[str, uuid.UUID]:
     made["parent"] = parent.run_id
     made["child"] = spawned.run_id
 
+    # Runs ended without an attempt by the claim's drop and by recovery, each on a lane of
+    # its own (a claim of the lane above would take their jobs): a play the release does not
+    # have and a passed claim deadline (job_drop), a deadline passed with no claim at all
+    # (options_expire_unstarted), and a sleeper whose cancel was requested and whose job is
+    # gone (recovery_cancel_orphans).
+    for release in ("ledger-drop", "ledger-late", "ledger-orphan"):
+        await lanes.prepare(conn, release)
+    gone = await admission.submit(conn, admission.Submission(play="gone", release="ledger-drop"))
+    late = await admission.submit(
+        conn, admission.Submission(play=PLAY, release="ledger-drop", start_by=T0 - SECOND)
+    )
+    got = await runs.claim(
+        conn, lanes=[lanes.lane_name("ledger-drop")], worker_id="w1", limit=10, plays=[PLAY], now=T0
+    )
+    assert not [c for c in got if c.claimed]
+    made["drop_unknown_play"] = gone.run_id
+    made["drop_late"] = late.run_id
+    unclaimed = await admission.submit(
+        conn, admission.Submission(play=PLAY, release="ledger-late", start_by=T0 - SECOND)
+    )
+    assert await options.expire_unstarted(conn, now=T0) == [unclaimed.run_id]
+    made["expire_unstarted"] = unclaimed.run_id
+    await attempts.admit(conn, release="ledger-orphan")
+    a = await attempts.claim(conn, release="ledger-orphan")
+    wake = T0 + timedelta(days=1)
+    await _finish(conn, a, suspended(a.run_id, a.fence.attempt, wake_at=wake, wait_event=None))
+    await conn.execute(
+        "UPDATE wq_runs SET cancel_requested_at = now(), cancel_reason = 'stop' WHERE id = %s",
+        (a.run_id,),
+    )
+    await conn.execute(
+        "SELECT wq_transport_stop(ARRAY[job_id]) FROM wq_runs WHERE id = %s", (a.run_id,)
+    )
+    _, orphans_cancelled, _, _ = await recovery.respawn_orphans(conn, now=wake + SECOND)
+    assert orphans_cancelled == [a.run_id]
+    made["orphan_cancelled"] = a.run_id
+
     return made
 
 
@@ -209,6 +247,14 @@ async def test_the_view_shows_each_runs_ledger_as_wq_events_does(conn: Conn) -> 
     assert "child_spawned" in kinds["parent"]
     assert "lease_expired" in kinds["lapse"]
     assert "cleanup_started" in kinds["cleanup"]
+    for name in ("drop_unknown_play", "drop_late", "expire_unstarted"):
+        assert kinds[name] == ["run_created", "run_failed"], name
+    assert kinds["orphan_cancelled"] == [
+        "run_created",
+        "attempt_started",
+        "run_sleeping",
+        "run_cancelled",
+    ]
 
 
 async def test_each_event_a_state_row_stands_for_is_the_row_wq_events_holds(conn: Conn) -> None:

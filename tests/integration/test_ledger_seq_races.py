@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import ledger, runs
+from queues import lanes, ledger, runs
 from queues.outcomes import FinishStatus, succeeded
 from queues.queries import q
 from tests import attempts
@@ -265,6 +265,20 @@ async def _cancel_queued(setup: Conn, actor: Conn) -> tuple[uuid.UUID, Awaitable
     return run_id, runs.cancel(actor, run_id, reason="stop", actor="ops")
 
 
+async def _drop(setup: Conn, actor: Conn) -> tuple[uuid.UUID, Awaitable[Any]]:
+    # A claim that drops a run whose play the release does not have: job_drop fails it.
+    run_id = await attempts.admit(setup, play="gone")
+    claim = runs.claim(
+        actor,
+        lanes=[lanes.lane_name(attempts.RELEASE)],
+        worker_id="w1",
+        limit=10,
+        plays=[attempts.PLAY],
+        now=attempts.T0,
+    )
+    return run_id, claim
+
+
 async def _rescue(setup: Conn, actor: Conn) -> tuple[uuid.UUID, Awaitable[Any]]:
     # The rescue's apply statement as recovery runs it after its pick (which skips a run
     # whose row another transaction holds: it is the apply that can meet an append).
@@ -305,6 +319,10 @@ def _cancelled(answer: runs.CancelResult, run_id: uuid.UUID) -> None:
     assert (answer.run_id, answer.changed, answer.after) == (run_id, True, "cancelled")
 
 
+def _dropped(answer: list[runs.Claimed], run_id: uuid.UUID) -> None:
+    assert [(c.run_id, c.claimed) for c in answer] == [(run_id, False)]
+
+
 def _rescued(answer: list[Any], run_id: uuid.UUID) -> None:
     assert [(row[0], row[1], row[3]) for row in answer] == [(run_id, 1, "queued")]
 
@@ -331,6 +349,7 @@ PREVIOUS_RELEASE_RACES: dict[str, tuple[Any, list[str], str, Any]] = {
         "run_end",
         _cancelled,
     ),
+    "drop": (_drop, ["run_created", "app.note", "run_failed"], "run_end", _dropped),
     "rescue": (
         _rescue,
         ["run_created", "attempt_started", "app.note", "lease_expired"],
@@ -355,9 +374,13 @@ async def test_the_previous_releases_append_racing_a_numbering_statement_is_wait
         answer, waited = await race(
             observer, appender, append_as_the_previous_release, run_id, actor, pending
         )
-        # The claim locks the row FOR NO KEY UPDATE, which the insert's KEY SHARE allows:
-        # it waits for the ledger lock. The others lock the row FOR UPDATE and wait there.
-        assert waited == "advisory" if statement == "claim" else waited in ROW_WAITS, waited
+        # The claim and the drop lock the row FOR NO KEY UPDATE, which the insert's KEY
+        # SHARE allows: they wait for the ledger lock. The others lock the row FOR UPDATE
+        # and wait there.
+        if statement in ("claim", "drop"):
+            assert waited == "advisory", waited
+        else:
+            assert waited in ROW_WAITS, waited
         check(answer, run_id)
         ledger_rows = await the_ledger(setup, run_id)
         assert [kind for _, kind in ledger_rows] == kinds
