@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
+import psycopg
 import structlog
 
 from queues import outcomes, runs, tracing
 from queues.authority import AttemptTokens
 from queues.errors import FenceError
-from queues.outcomes import Finish
+from queues.outcomes import Finish, FinishStatus
 from worker import instruments, sandbox
 from worker.context import RunContext, Suspend
 from worker.endings import Fatal, budget, is_fatal, past_deadline, success, until_deadline
@@ -162,6 +165,65 @@ async def _run(
             exc_info=final.outcome is not outcomes.Outcome.INTERRUPTED,
         )
         return Ended(final)
+
+
+Write = Callable[[Finish], Awaitable[FinishStatus]]
+Connection = Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]
+
+
+async def settle(
+    c: runs.Claimed,
+    ctx: RunContext,
+    play: Play | None,
+    ended: Ended,
+    *,
+    write: Write,
+    connection: Connection,
+) -> tuple[Finish | None, FinishStatus | None]:
+    """Make the attempt's final write from how it ended; the write made and its status
+    (both None: stale, nothing to write). ``write`` makes a final write (the runtime's
+    batch, or a statement of its own); ``connection`` lends one for a suspension on an
+    event, written under the event's lock, which hands the run straight back when the event
+    came meanwhile. A cancel pending at the write runs the cleanup hooks, then writes
+    ``cancelled`` (a cancel is final)."""
+    final = ended.finish
+    if final is None:
+        return None, None
+    status = await _write_final(
+        c, ctx.info.worker_id, final, ended.event, write=write, connection=connection
+    )
+    if status is FinishStatus.CANCEL_PENDING:
+        final = await cleanup(c, ctx, play)
+        status = await write(final)
+    return final, status
+
+
+async def _write_final(
+    c: runs.Claimed,
+    worker_id: str,
+    final: Finish,
+    event: str | None,
+    *,
+    write: Write,
+    connection: Connection,
+) -> FinishStatus:
+    if event is None:
+        return await write(final)
+    assert c.attempt is not None and c.org and c.created_at
+    async with connection() as conn:
+        emitted, status = await runs.suspend_for_event(
+            conn,
+            worker_id=worker_id,
+            finish_=final,
+            org=c.org,
+            event=event,
+            since=c.created_at,
+        )
+    if emitted:
+        # Emitted meanwhile: hand the run straight back so it re-enters and reads it.
+        return await write(outcomes.handed_back(c.run_id, c.attempt))
+    assert status is not None
+    return status
 
 
 async def cleanup(c: runs.Claimed, ctx: RunContext, play: Play | None) -> Finish:

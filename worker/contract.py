@@ -28,7 +28,7 @@ import httpx
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
-from queues import errors, operations
+from queues import authority, errors, operations, runs
 from queues.authority import Claims
 from queues.errors import InvalidField, WriteIntentUnavailable
 from worker.blips import is_blip
@@ -149,6 +149,54 @@ class PoolCheck:
             log.debug("pool_check_failed", error=str(exc).strip()[:300])
 
 
+def in_process_claims(c: runs.Claimed, owner: str, ledger: bool) -> Claims:
+    """An in-process attempt's claims, from its run's authority: the executor's, or with
+    ``ledger`` the ledger projector's."""
+    assert c.attempt is not None
+    capabilities = [authority.LEDGER_PROJECT] if ledger else None
+    return authority.claims_of_attempt(
+        c.descriptor, attempt=c.attempt, owner=owner, capabilities=capabilities
+    )
+
+
+class _AttemptClaims:
+    """An in-process attempt's claims, each kind made at its first call that needs it (most
+    attempts of a trivial play make no call): ``make(False)`` the executor's,
+    ``make(True)`` the ledger projector's, for the ledger's actions."""
+
+    __slots__ = ("_made", "_make")
+
+    def __init__(self, make: Callable[[bool], Claims]) -> None:
+        self._make = make
+        self._made: dict[bool, Claims] = {}
+
+    def of(self, action: str) -> Claims:
+        ledger = action in operations.LEDGER_ACTIONS
+        claims = self._made.get(ledger)
+        if claims is None:
+            claims = self._made[ledger] = self._make(ledger)
+        return claims
+
+
+class ConnectionTransport:
+    """In process, on one connection its caller holds (a test's transaction,
+    :mod:`worker.testing`): the gateway's own dispatch with the attempt's claims, one call
+    at a time (calls a play makes at once take turns on the connection)."""
+
+    def __init__(self, conn: Any, claims: Callable[[bool], Claims]) -> None:
+        self._conn = conn
+        self._claims = _AttemptClaims(claims)
+        self._turn = asyncio.Lock()
+
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any:
+        claims = self._claims.of(action)
+        body = _body(action, payload, idempotency_key, claims.owner)
+        async with self._turn:
+            return await operations.dispatch(self._conn, body, claims)
+
+
 class LocalTransport:
     """In process: the gateway's own dispatch, with the attempt's claims.
 
@@ -169,10 +217,7 @@ class LocalTransport:
         hold: bool = False,
     ) -> None:
         self._pool = pool
-        # The attempt's claims, made at its first call that needs them (most attempts of a
-        # trivial play make none): claims(False) the executor's, claims(True) the ledger's.
-        self._claims_of = claims
-        self._claims: dict[bool, Claims] = {}
+        self._claims = _AttemptClaims(claims)
         self._hold = hold
         self._held: Any = None  # the attempt's connection between its calls
         self._busy = False
@@ -181,10 +226,7 @@ class LocalTransport:
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
     ) -> Any:
-        ledger = action in operations.LEDGER_ACTIONS
-        claims = self._claims.get(ledger)
-        if claims is None:
-            claims = self._claims[ledger] = self._claims_of(ledger)
+        claims = self._claims.of(action)
         body = _body(action, payload, idempotency_key, claims.owner)
         if not self._hold or self._busy:
             async with self._pool.connection() as conn:

@@ -65,7 +65,7 @@ from worker import (
 )
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
-from worker.contract import Absorbing, LocalTransport, PoolCheck
+from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.outage import Downtime, Outage
@@ -897,7 +897,7 @@ class Worker:
         )
         transport = LocalTransport(
             self.pool,
-            functools.partial(_attempt_claims, c, self.s.worker_id),
+            functools.partial(in_process_claims, c, self.s.worker_id),
             # An attempt keeps its connection between calls when the pool has one for every
             # attempt besides the worker's loops (not under a tighter max_connections).
             hold=self.budget is not None
@@ -1024,14 +1024,10 @@ class Worker:
             await transport.aclose()
             self._fill()
             self.capacity.set()
-        final = ended.finish
-        status: FinishStatus | None = None
-        if final is not None:
-            status = await self._write(c, final, ended.event)
-            if status is FinishStatus.CANCEL_PENDING:
-                # Cancel is final: the cleanup hooks run, then the `cancelled` write.
-                final = await attempt.cleanup(c, ctx, play)
-                status = await self._write(c, final, None)
+        assert self.pool is not None
+        final, status = await attempt.settle(
+            c, ctx, play, ended, write=self._submit_finish, connection=self.pool.connection
+        )
         applied = status is not None and status.applied
         outcome = final.outcome if final is not None and applied else outcomes.Outcome.SUPERSEDED
         if not applied:
@@ -1075,27 +1071,6 @@ class Worker:
             self.sandboxes,
             max_outage_s=self.s.max_outage_s,
         )
-
-    async def _write(self, c: runs.Claimed, final: Finish, event: str | None) -> FinishStatus:
-        """Make the final write: a suspension on an event under the event's lock (handing
-        the run straight back when the event came meanwhile), anything else batched."""
-        if event is None:
-            return await self._submit_finish(final)
-        assert self.pool is not None and c.attempt is not None and c.org and c.created_at
-        async with self.pool.connection() as conn:
-            emitted, status = await runs.suspend_for_event(
-                conn,
-                worker_id=self.s.worker_id,
-                finish_=final,
-                org=c.org,
-                event=event,
-                since=c.created_at,
-            )
-        if emitted:
-            # Emitted meanwhile: hand the run straight back so it re-enters and reads it.
-            return await self._submit_finish(outcomes.handed_back(c.run_id, c.attempt))
-        assert status is not None
-        return status
 
     async def _submit_finish(self, final: Finish) -> FinishStatus:
         return await asyncio.shield(self._queue_finish(final))
@@ -1194,16 +1169,6 @@ class Worker:
             {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
             for run_id, live in list(self.live.items())
         ]
-
-
-def _attempt_claims(c: runs.Claimed, owner: str, ledger: bool) -> authority.Claims:
-    """An in-process attempt's claims, from its run's authority: the executor's, or with
-    ``ledger`` the ledger projector's."""
-    assert c.attempt is not None
-    capabilities = [authority.LEDGER_PROJECT] if ledger else None
-    return authority.claims_of_attempt(
-        c.descriptor, attempt=c.attempt, owner=owner, capabilities=capabilities
-    )
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
