@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -35,7 +34,19 @@ from queues.errors import FenceError
 from queues.outcomes import Finish, FinishStatus
 from worker import instruments, sandbox
 from worker.context import RunContext, Suspend
-from worker.endings import Fatal, budget, is_fatal, past_deadline, success, until_deadline
+from worker.endings import (
+    Ended,
+    Ending,
+    Fatal,
+    Fenced,
+    Raised,
+    Returned,
+    Stopped,
+    Suspended,
+    final,
+    is_fatal,
+    past_deadline,
+)
 from worker.plays import Play
 from worker.sandbox import Launcher
 
@@ -43,14 +54,6 @@ log = structlog.get_logger("worker.attempt")
 
 # A cancel hook that runs longer than this is abandoned (logged) so the final write is made.
 CLEANUP_HOOK_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class Ended:
-    """How an attempt ended: its final write, if any, and an event to suspend on."""
-
-    finish: Finish | None  # None: stale, nothing to write
-    event: str | None = None  # suspend on this event: written under the event's lock
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +104,59 @@ async def _run(
     stop_reason: Callable[[], str | None],
     sandbox_spec: SandboxSpec | None = None,
 ) -> Ended:
-    assert c.attempt is not None
+    ending = await _execute(c, ctx, play, stop_reason=stop_reason, sandbox_spec=sandbox_spec)
+    ended = final(c, ending)
+    inside = sandboxed(play, sandbox_spec) or None  # logged only when true
+    if isinstance(ending, Fenced):
+        log.warning(
+            "attempt_fenced", error_code=ending.code, error=ending.message, sandboxed=inside
+        )
+    elif isinstance(ending, Raised) and ended.finish is not None:
+        level = "warning" if ended.finish.state == outcomes.RunState.QUEUED else "error"
+        getattr(log, level)(
+            "attempt_raised",
+            play=c.play,
+            sandboxed=inside,
+            outcome=str(ended.finish.outcome),
+            next_state=str(ended.finish.state),
+            error=f"{ending.error.get('type')}: {ending.error.get('message')}"[:500],
+            # An interruption is not the play's fault: no traceback.
+            traceback=None if ending.interrupted else ending.error.get("traceback"),
+        )
+    return ended
+
+
+def _writes_nothing_or_waits(ending: Ending) -> bool:
+    """Fenced, a lost lease, or a wait for an event: what a timeout does not turn into a
+    timed-out failure (its wait wakes it by its deadline: worker.endings.until_deadline)."""
+    if isinstance(ending, Fenced):
+        return True
+    if isinstance(ending, Stopped):
+        return ending.reason == "lease_lost"
+    return isinstance(ending, Suspended) and ending.event is not None
+
+
+def sandboxed(play: Play | None, sandbox_spec: SandboxSpec | None) -> bool:
+    """Whether the attempt runs in a sandbox."""
+    return play is not None and play.sandboxed and sandbox_spec is not None
+
+
+async def _execute(
+    c: runs.Claimed,
+    ctx: RunContext,
+    play: Play | None,
+    *,
+    stop_reason: Callable[[], str | None],
+    sandbox_spec: SandboxSpec | None = None,
+) -> Ending:
+    """Run the attempt with the executor it needs; how it ended."""
     if not c.cleanup and past_deadline(c):
         # Past its timeout before this attempt began (it woke at its deadline, or a retry
         # came late): failed without running anything.
-        return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
-    if play is not None and play.sandboxed and sandbox_spec is not None:
-        ended = await sandbox.run_attempt(
+        return Stopped("timeout")
+    if sandboxed(play, sandbox_spec):
+        assert play is not None and sandbox_spec is not None
+        ending = await sandbox.run_attempt(
             c,
             ctx.info,
             app=sandbox_spec.app,
@@ -118,53 +167,35 @@ async def _run(
             max_outage_s=sandbox_spec.max_outage_s,
             resources=play.resources,
         )
-        if stop_reason() == "timeout" and not isinstance(ended, tuple) and ended is not None:
+        if stop_reason() == "timeout" and not _writes_nothing_or_waits(ending):
             # Stopped at the run's timeout: its cleanup hooks ran in the sandbox (as for a
             # cancel); the run fails.
-            return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
-        if isinstance(ended, tuple):
-            return Ended(until_deadline(c, ended[0]), event=ended[1])
-        return Ended(None if ended is None else until_deadline(c, ended))
+            return Stopped("timeout")
+        return ending
     if c.cleanup:
-        return Ended(await cleanup(c, ctx, play))
+        await run_hooks(c, ctx, play)
+        return Stopped("cancel")
     try:
         if play is None:  # the claim only takes plays this worker has
             raise Fatal(f"play {c.play!r} is not registered in this worker")
-        result = await play.fn(ctx, ctx.params)
-        return Ended(success(c, result))
+        return Returned(await play.fn(ctx, ctx.params))
     except asyncio.CancelledError:
         reason = stop_reason() or "handback"
-        if reason == "cancel":
-            return Ended(await cleanup(c, ctx, play))
-        if reason == "timeout":
-            # The run's timeout: stopped like a cancel (its cleanup hooks run), then failed.
-            await cleanup(c, ctx, play)
-            return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
+        if reason in ("cancel", "timeout"):
+            # A cancel, or the run's timeout: stopped like a cancel (its hooks run).
+            await run_hooks(c, ctx, play)
+            return Stopped("cancel" if reason == "cancel" else "timeout")
         if reason == "lease_lost":
-            return Ended(None)  # a newer attempt or the rescuer owns the run: no write at all
-        return Ended(outcomes.handed_back(c.run_id, c.attempt))
+            return Stopped("lease_lost")
+        return Stopped("handback")
     except Suspend as suspend:
-        final = outcomes.suspended(
-            c.run_id, c.attempt, wake_at=suspend.wake_at, wait_event=suspend.event
-        )
-        return Ended(until_deadline(c, final), event=suspend.event)
+        return Suspended(suspend.wake_at, suspend.event)
     except FenceError as exc:
-        log.warning("attempt_fenced", error_code=exc.code, error=exc.message)
-        return Ended(None)
+        return Fenced(exc.code, exc.message)
     except Exception as exc:
-        final = outcomes.after_exception(
-            c.run_id, c.attempt, exc, budget(c), now=datetime.now(UTC), fatal=is_fatal(exc)
+        return Raised(
+            outcomes.error_of(exc), fatal=is_fatal(exc), interrupted=outcomes.is_interruption(exc)
         )
-        level = "warning" if final.state == outcomes.RunState.QUEUED else "error"
-        getattr(log, level)(
-            "attempt_raised",
-            play=c.play,
-            outcome=str(final.outcome),
-            next_state=str(final.state),
-            error=repr(exc)[:500],
-            exc_info=final.outcome is not outcomes.Outcome.INTERRUPTED,
-        )
-        return Ended(final)
 
 
 Write = Callable[[Finish], Awaitable[FinishStatus]]
@@ -227,9 +258,16 @@ async def _write_final(
 
 
 async def cleanup(c: runs.Claimed, ctx: RunContext, play: Play | None) -> Finish:
+    """Run the cancel hooks, then the final ``cancelled`` write."""
+    await run_hooks(c, ctx, play)
+    cancelled = final(c, Stopped("cancel")).finish
+    assert cancelled is not None
+    return cancelled
+
+
+async def run_hooks(c: runs.Claimed, ctx: RunContext, play: Play | None) -> None:
     """Run the cancel hooks (the play's, then the ones the attempt registered), each
-    bounded; then the final ``cancelled`` write. A failing hook is logged, never fatal."""
-    assert c.attempt is not None
+    bounded. A failing hook is logged, never fatal."""
     hooks = [*(play.on_cancel if play else ()), *ctx.cleanups]
     for hook in hooks:
         try:
@@ -237,4 +275,3 @@ async def cleanup(c: runs.Claimed, ctx: RunContext, play: Play | None) -> Finish
                 await hook(ctx)
         except Exception as exc:
             log.warning("cleanup_hook_failed", play=c.play, error=repr(exc)[:500])
-    return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")

@@ -1,5 +1,11 @@
-"""How an attempt ends: the rules both executors follow, in-process (:mod:`worker.attempt`)
+"""How an attempt ends: one rulebook for both executors, in-process (:mod:`worker.attempt`)
 and sandboxed (:mod:`worker.sandbox`), so a play's end means the same wherever it ran.
+
+Each executor reports how its attempt ended as an :data:`Ending`: the play returned
+(:class:`Returned`), raised (:class:`Raised`), suspended (:class:`Suspended`), was stopped
+by the runtime (:class:`Stopped`: a cancel or the run's timeout, after its cleanup hooks
+ran; a lost lease; a hand-back), or a fence refused one of its writes (:class:`Fenced`).
+:func:`final` is the one function that turns an ending into the attempt's final write.
 
 The outcome policy itself (retry, backoff, interruption budget) is :mod:`queues.outcomes`;
 this module applies it to a claimed run: what fails a run at once (:func:`is_fatal`), the
@@ -10,8 +16,9 @@ run's deadline (:func:`past_deadline`, :func:`until_deadline`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 
 from queues import fields, outcomes, runs
 from queues.errors import WorkerError
@@ -80,3 +87,106 @@ def success(c: runs.Claimed, result: Any) -> Finish:
             retryable=False,
         )
     return outcomes.succeeded(c.run_id, c.attempt, result)
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """The play returned ``result``."""
+
+    result: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Raised:
+    """The play raised: its error (``type``, ``message``, ``code``, ``traceback``, as
+    :func:`queues.outcomes.error_of` makes it), whether it fails the run at once
+    (:func:`is_fatal`), and whether it is an interruption (the database, or a sandbox's
+    gateway, went away under it: not the play's fault, retried promptly)."""
+
+    error: dict[str, Any]
+    fatal: bool
+    interrupted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Suspended:
+    """The play left durably: to sleep until ``wake_at``, or to wait for ``event``."""
+
+    wake_at: datetime | None
+    event: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped:
+    """The runtime stopped the attempt: a ``cancel`` or the run's ``timeout`` (its cleanup
+    hooks ran), a lost lease (``lease_lost``: a newer attempt or the rescuer owns the run),
+    or a ``handback`` (the run goes back to its lane, spending nothing)."""
+
+    reason: Literal["cancel", "timeout", "lease_lost", "handback"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """A fence refused one of the attempt's writes: a newer attempt owns the run."""
+
+    code: str | None = None
+    message: str | None = None
+
+
+Ending = Returned | Raised | Suspended | Stopped | Fenced
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """An attempt's final write, if any, and an event to suspend on (written under the
+    event's lock)."""
+
+    finish: Finish | None  # None: stale, nothing to write
+    event: str | None = None
+
+
+def final(c: runs.Claimed, ending: Ending) -> Ended:
+    """The attempt's final write for how it ended: the one rule, whichever executor ran it."""
+    assert c.attempt is not None
+    if isinstance(ending, Returned):
+        return Ended(success(c, ending.result))
+    if isinstance(ending, Suspended):
+        suspended = outcomes.suspended(
+            c.run_id, c.attempt, wake_at=ending.wake_at, wait_event=ending.event
+        )
+        return Ended(until_deadline(c, suspended), event=ending.event)
+    if isinstance(ending, Raised):
+        spent = budget(c)
+        now = datetime.now(UTC)
+        if ending.interrupted:
+            return Ended(
+                outcomes.interrupted(
+                    c.run_id,
+                    c.attempt,
+                    ending.error,
+                    spent.policy,
+                    now=now,
+                    failure=spent.failures + 1,
+                    interruption=spent.interruptions + 1,
+                    max_interruptions=spent.max_interruptions,
+                )
+            )
+        return Ended(
+            outcomes.failed(
+                c.run_id,
+                c.attempt,
+                ending.error,
+                spent.policy,
+                now=now,
+                failure=spent.failures + 1,
+                retryable=not ending.fatal,
+            )
+        )
+    if isinstance(ending, Stopped):
+        if ending.reason == "cancel":
+            return Ended(outcomes.cancelled(c.run_id, c.attempt, "cancel requested"))
+        if ending.reason == "timeout":
+            return Ended(outcomes.timed_out(c.run_id, c.attempt, c.timeout_at))
+        if ending.reason == "handback":
+            return Ended(outcomes.handed_back(c.run_id, c.attempt))
+    return Ended(None)  # a lost lease, or fenced: nothing to write

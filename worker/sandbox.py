@@ -57,7 +57,7 @@ import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -478,9 +478,8 @@ async def run_attempt(
     launcher: Launcher,
     resources: Resources | None = None,
     max_outage_s: float = 60.0,
-) -> outcomes.Finish | tuple[outcomes.Finish, str] | None:
-    """Run one attempt in a sandbox; its final write (None: stale, write nothing; a pair:
-    a suspension on an event, written under the event's lock)."""
+) -> endings.Ending:
+    """Run one attempt in a sandbox; how it ended (:mod:`worker.endings`)."""
     assert c.attempt is not None
     mechanism = await launcher.ready()
     if not mechanism.available:
@@ -522,14 +521,14 @@ async def run_attempt(
     ready, lines = await reading
     err = await relaying
     if reason == "lease_lost":
-        return None  # a newer attempt or the rescuer owns the run: no write at all
+        return endings.Stopped("lease_lost")  # a newer attempt or the rescuer owns the run
     if reason == "handback":
-        return outcomes.handed_back(c.run_id, c.attempt)
+        return endings.Stopped("handback")
     if not ready and reason is None:
         detail = _tail(err) or f"exit status {proc.returncode}"
         launcher.failed(detail)
         return _unavailable(c, f"the sandbox did not start: {detail}")
-    return _finish(c, _last_json(lines))
+    return _ending(c, _last_json(lines))
 
 
 async def _tell(proc: asyncio.subprocess.Process, line: bytes) -> None:
@@ -579,26 +578,16 @@ async def _relay(stream: asyncio.StreamReader) -> bytes:
     return tail
 
 
-def _unavailable(c: runs.Claimed, detail: str) -> outcomes.Finish:
-    """The final write of a sandboxed attempt that had no sandbox: failed, not retried here
-    (never run unsandboxed); a cleanup-only attempt is still cancelled."""
-    assert c.attempt is not None
+def _unavailable(c: runs.Claimed, detail: str) -> endings.Ending:
+    """How a sandboxed attempt that had no sandbox ends: failed, not retried here (never
+    run unsandboxed); a cleanup-only attempt is still cancelled."""
     exc = SandboxUnavailable(
         f"play {c.play!r} is sandboxed and this worker cannot sandbox it: {detail}", fix=FIX
     )
     log.error("sandbox_unavailable", play=c.play, error=exc.message[:500])
     if c.cleanup:
-        return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")
-    budget = endings.budget(c)
-    return outcomes.failed(
-        c.run_id,
-        c.attempt,
-        outcomes.error_of(exc),
-        budget.policy,
-        now=datetime.now(UTC),
-        failure=budget.failures + 1,
-        retryable=False,
-    )
+        return endings.Stopped("cancel")
+    return endings.Raised(outcomes.error_of(exc), fatal=True, interrupted=False)
 
 
 def _last_json(lines: list[bytes]) -> dict[str, Any]:
@@ -610,29 +599,24 @@ def _last_json(lines: list[bytes]) -> dict[str, Any]:
     return {"status": "raised", "type": "SandboxCrashed", "message": "no outcome", "fatal": False}
 
 
-def _finish(
-    c: runs.Claimed, outcome: dict[str, Any]
-) -> outcomes.Finish | tuple[outcomes.Finish, str] | None:
-    assert c.attempt is not None
+def _ending(c: runs.Claimed, outcome: dict[str, Any]) -> endings.Ending:
+    """How the sandboxed play ended, from the last line it reported (:func:`_ended`)."""
     instruments.from_sandbox(c.play or "", outcome.get("counts"))
     status = outcome.get("status")
     if status == "returned":
-        return endings.success(c, outcome.get("result"))
+        return endings.Returned(outcome.get("result"))
     if status == "cancelled":
-        return outcomes.cancelled(c.run_id, c.attempt, "cancel requested")
+        return endings.Stopped("cancel")
     if status == "fenced":
-        log.warning("attempt_fenced", error_code=outcome.get("code"), sandboxed=True)
-        return None
+        code, message = outcome.get("code"), outcome.get("message")
+        return endings.Fenced(
+            code if isinstance(code, str) else None, message if isinstance(message, str) else None
+        )
     if status == "suspended":
         wake = outcome.get("wake_at")
-        event = outcome.get("event")
-        final = outcomes.suspended(
-            c.run_id,
-            c.attempt,
-            wake_at=datetime.fromisoformat(wake) if wake else None,
-            wait_event=event,
+        return endings.Suspended(
+            datetime.fromisoformat(wake) if wake else None, outcome.get("event") or None
         )
-        return (final, event) if event else final
     error = {
         "type": str(outcome.get("type") or "Exception"),
         "message": str(outcome.get("message") or "the sandboxed play raised"),
@@ -640,34 +624,11 @@ def _finish(
     }
     if isinstance(outcome.get("traceback"), str):
         error["traceback"] = outcome["traceback"][-outcomes.TRACEBACK_MAX_BYTES :]
-    log.warning(
-        "attempt_raised",
-        play=c.play,
-        sandboxed=True,
-        error=f"{error['type']}: {error['message']}"[:500],
-        traceback=error.get("traceback"),
-    )
-    budget = endings.budget(c)
-    now = datetime.now(UTC)
-    if outcome.get("interrupted"):  # the gateway went away under it: not its fault
-        return outcomes.interrupted(
-            c.run_id,
-            c.attempt,
-            error,
-            budget.policy,
-            now=now,
-            failure=budget.failures + 1,
-            interruption=budget.interruptions + 1,
-            max_interruptions=budget.max_interruptions,
-        )
-    return outcomes.failed(
-        c.run_id,
-        c.attempt,
+    return endings.Raised(
         error,
-        budget.policy,
-        now=now,
-        failure=budget.failures + 1,
-        retryable=not outcome.get("fatal"),
+        fatal=bool(outcome.get("fatal")),
+        # The gateway went away under it: not its fault.
+        interrupted=bool(outcome.get("interrupted")),
     )
 
 
@@ -799,7 +760,7 @@ async def _ended(
     ctx: RunContext,
     stopping: dict[str, str],
 ) -> dict[str, Any]:
-    """How the sandboxed play ended, for the worker (:func:`_finish`)."""
+    """How the sandboxed play ended, for the worker (:func:`_ending`)."""
     try:
         result = await task
         if spec.get("cleanup"):
