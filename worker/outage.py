@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import structlog
+from psycopg_pool import PoolTimeout
 
 from queues.errors import DatabaseLost
 from worker import db
@@ -48,6 +49,9 @@ log = structlog.get_logger("worker.outage")
 T = TypeVar("T")
 
 MAX_OUTAGE_S = 60.0  # the default --max-outage of every long-lived command
+# What a worker's loops retry through an outage: the database, or a pooled connection to
+# it, did not answer.
+TRANSIENT = (psycopg.OperationalError, PoolTimeout)
 FIRST_DELAY_S = 0.1
 MAX_DELAY_S = 2.0
 

@@ -49,7 +49,7 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from queues import authority, lanes, migrations, outcomes, runs, server, transport
 from queues import recovery as passes
 from queues.errors import DatabaseLost, DatabaseUnreachable, WorkerError
-from queues.outcomes import Finish, FinishStatus
+from queues.outcomes import FinishStatus
 from worker import (
     attempt,
     connections,
@@ -63,12 +63,13 @@ from worker import (
     scheduler,
     stopping,
 )
+from worker.completer import BatchCompleter
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
-from worker.outage import Downtime, Outage
+from worker.outage import TRANSIENT, Downtime, Outage
 from worker.plays import Registry
 
 log = structlog.get_logger("worker.runtime")
@@ -123,7 +124,6 @@ class Settings:
     )
 
 
-TRANSIENT = (psycopg.OperationalError, PoolTimeout)
 # After the grace, while the database answers: the hand-backs, the last final writes and
 # the worker's own stop record (they take milliseconds then; docs/deploy.md counts a
 # second). In an outage nothing waits for the database past the grace (Worker._drain).
@@ -168,8 +168,6 @@ class Worker:
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
         self.capacity = asyncio.Event()
-        self._finishes: list[tuple[Finish, asyncio.Future[FinishStatus]]] = []
-        self._finish_ready = asyncio.Event()
         self._claiming: asyncio.Task[None] | None = None  # the claim loop
         self._signals = 0
         self.procrastinate_id: int | None = None
@@ -212,6 +210,8 @@ class Worker:
         # The worker's one account of a database outage, fed by its loops: past
         # max_outage_s the worker stops at once (worker.outage).
         self.downtime = Downtime(settings.max_outage_s, on_lost=self._database_lost)
+        # Where every attempt's final write is made: batched, fenced, through outages.
+        self.completer = BatchCompleter(self._connection, settings.worker_id, self.downtime)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -355,7 +355,7 @@ class Worker:
         self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
         tasks = [
             self._claiming,
-            asyncio.create_task(self._finish_loop(), name="finish"),
+            asyncio.create_task(self.completer.run(), name="finish"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
             asyncio.create_task(self._peers_loop(), name="peers"),
             asyncio.create_task(
@@ -505,7 +505,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await held.aclose()
         self.transports.clear()
-        await _settle([asyncio.ensure_future(self._flush())], self._stop_left())
+        await _settle([asyncio.ensure_future(self.completer.flush())], self._stop_left())
 
     def _stop_left(self) -> float:
         """Seconds the stop may still wait for the database: until the grace ends, plus
@@ -873,7 +873,7 @@ class Worker:
         for c in ahead:
             self.heartbeat.untrack(c.run_id)
         log.info(event, count=len(ahead))
-        return [self._queue_finish(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead]
+        return [self.completer.queue(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead]
 
     def _start(self, c: runs.Claimed) -> None:
         assert self.pool is not None and self.heartbeat is not None
@@ -934,7 +934,7 @@ class Worker:
             heartbeat.untrack(c.run_id)
             _retrieved(future)
 
-        self._queue_finish(outcomes.row_invalid(c.run_id, c.attempt, problem)).add_done_callback(
+        self.completer.queue(outcomes.row_invalid(c.run_id, c.attempt, problem)).add_done_callback(
             written
         )
 
@@ -1026,7 +1026,7 @@ class Worker:
             self.capacity.set()
         assert self.pool is not None
         final, status = await attempt.settle(
-            c, ctx, play, ended, write=self._submit_finish, connection=self.pool.connection
+            c, ctx, play, ended, write=self.completer.write, connection=self.pool.connection
         )
         applied = status is not None and status.applied
         outcome = final.outcome if final is not None and applied else outcomes.Outcome.SUPERSEDED
@@ -1072,50 +1072,9 @@ class Worker:
             max_outage_s=self.s.max_outage_s,
         )
 
-    async def _submit_finish(self, final: Finish) -> FinishStatus:
-        return await asyncio.shield(self._queue_finish(final))
-
-    def _queue_finish(self, final: Finish) -> asyncio.Future[FinishStatus]:
-        """Put a final write in the finish loop's next batch; its status when written."""
-        future: asyncio.Future[FinishStatus] = asyncio.get_running_loop().create_future()
-        self._finishes.append((final, future))
-        self._finish_ready.set()
-        return future
-
-    async def _finish_loop(self) -> None:
-        while True:
-            await self._finish_ready.wait()
-            await self._flush()
-
-    async def _flush(self) -> None:
-        """Write every pending final outcome in one fenced statement; retry while the
-        database is away (a retried write that had been applied comes back ``replayed``).
-        """
-        self._finish_ready.clear()
-        batch, self._finishes = self._finishes, []
-        if not batch:
-            return
+    def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
         assert self.pool is not None
-        outage = Outage("finish", self.downtime)
-        while True:
-            try:
-                async with self.pool.connection() as conn:
-                    statuses = await runs.finish(
-                        conn, worker_id=self.s.worker_id, finishes=[f for f, _ in batch]
-                    )
-                break
-            except TRANSIENT as exc:
-                try:
-                    await outage.failed(exc)
-                except DatabaseLost as lost:
-                    for _, future in batch:
-                        if not future.done():
-                            future.set_exception(lost)
-                    raise
-        outage.ok()
-        for final, future in batch:
-            if not future.done():
-                future.set_result(statuses[(final.run_id, final.attempt)])
+        return self.pool.connection()
 
     # ---- heartbeat callbacks (run on this loop, posted by the heartbeat thread) -----------
 

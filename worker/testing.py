@@ -37,8 +37,9 @@ from typing import Any
 import psycopg
 
 from queues import admission, dashboard, lanes, runs
-from queues.outcomes import Finish, FinishStatus
+from queues.outcomes import FinishStatus
 from worker import attempt
+from worker.completer import InlineCompleter
 from worker.context import RunContext, RunInfo
 from worker.contract import ConnectionTransport, in_process_claims
 from worker.plays import Registry
@@ -178,13 +179,12 @@ async def _attempt(
     found = registry.get(c.play)
     ended = await attempt.run(c, ctx, found, stop_reason=lambda: None)
 
-    async def write(final: Finish) -> FinishStatus:
-        statuses = await runs.finish(conn, worker_id=WORKER_ID, finishes=[final])
-        return statuses[(final.run_id, final.attempt)]
-
     @contextlib.asynccontextmanager
     async def connection() -> AsyncIterator[Conn]:
         yield conn
 
-    _, status = await attempt.settle(c, ctx, found, ended, write=write, connection=connection)
+    completer = InlineCompleter(conn, WORKER_ID)
+    _, status = await attempt.settle(
+        c, ctx, found, ended, write=completer.write, connection=connection
+    )
     return status

@@ -310,13 +310,13 @@ async def test_shutdown_does_not_interrupt_a_final_write_under_way(url: str) -> 
 
     gate = asyncio.Event()
     async with running_worker(url, plays, grace_s=0.0) as worker:
-        original = worker._submit_finish
+        original = worker.completer.write
 
         async def held(final: Finish) -> FinishStatus:
             await gate.wait()  # the final write is under way when the stop comes
             return await original(final)
 
-        worker._submit_finish = held  # type: ignore[method-assign]
+        worker.completer.write = held  # type: ignore[method-assign]
         run_id = await submit(url, "echo", {"x": 1})
 
         async def finishing() -> bool:

@@ -140,13 +140,13 @@ async def cancel(url: str, run_id: uuid.UUID, **kw: Any) -> runs.CancelResult:
 def hold_final_writes(worker: Worker) -> asyncio.Event:
     """Hold every final write of the worker at a gate (the play is done, its write waits)."""
     gate = asyncio.Event()
-    original = worker._submit_finish
+    original = worker.completer.write
 
     async def held(final: Finish) -> FinishStatus:
         await gate.wait()
         return await original(final)
 
-    worker._submit_finish = held  # type: ignore[method-assign]
+    worker.completer.write = held  # type: ignore[method-assign]
     return gate
 
 
