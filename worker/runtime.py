@@ -696,12 +696,14 @@ class Worker:
         self._plays = sorted(self.s.registry.names())
         outage = Outage("claim", self.downtime)
         while not self.stopping.is_set():
+            # Cleared before the slots are counted, so a slot freed from here on (also
+            # during the pass-on's round trip) is seen by the wait below, never lost.
+            self.capacity.clear()
             want = self._claim_room()
             if want <= 0:
                 # Woken as a waiting worker after the claim that filled the slots began:
                 # another worker takes the job (migration 0032).
                 await self._pass_on()
-                self.capacity.clear()
                 await self.capacity.wait()
                 continue
             try:

@@ -351,3 +351,41 @@ async def test_a_stop_hands_back_what_a_claim_on_wake_took(db_url: str) -> None:
         async with connect(db_url) as conn:  # leave the lane empty for the next round
             cancelled = await runs.cancel(conn, run_id, reason="test round over")
             assert cancelled.after == "cancelled"
+
+
+async def test_a_slot_freed_while_a_wake_is_passed_on_is_seen(
+    db_url: str, monkeypatch: Any
+) -> None:
+    """The claim loop, its slots full and a wake for this worker alone pending, passes the
+    wake on (a round trip); a play that returns and a final write that lands during that
+    round trip free the slot. The loop must see the slot: it once cleared the signal after
+    the round trip and then waited for another that never came (the worker claimed nothing
+    more until stopped; only a poll, or another run ending, woke it)."""
+    gate["hold"] = asyncio.Event()
+    async with connect(db_url) as conn:
+        await lanes.prepare(conn, RELEASE)
+    async with worker(db_url, concurrency=1) as w:
+        await eventually(lambda: waiting_for_work(db_url, w))
+        held = await submit(db_url, "hold", release=RELEASE)
+
+        async def holding() -> bool:
+            return held in w.live
+
+        await eventually(holding)  # the one slot is taken
+        real = runs.stop_waiting
+
+        async def stop_waiting(conn: Any, worker_id: str) -> None:
+            # The pass-on's round trip: the held play returns and its attempt ends meanwhile.
+            gate["hold"].set()
+
+            async def over() -> bool:
+                return held not in w.live
+
+            await eventually(over)
+            await real(conn, worker_id)
+
+        monkeypatch.setattr(runs, "stop_waiting", stop_waiting)
+        w.targeted = True  # a wake for this worker alone came, with no room for it
+        w.capacity.set()  # the claim loop looks again: no room, so it passes the wake on
+        after = await submit(db_url, "echo", release=RELEASE)
+        await eventually(functools.partial(_succeeded, db_url, after), timeout=10)

@@ -4,7 +4,7 @@ A step in the run's own scope is not claimed before it runs (worker.context expl
 the run's lease is enough): the attempt asks once which steps settled before it, replays
 those without a call, and records each step it runs with one fenced claim-and-complete.
 A failure is recorded against a claim; a step in a named scope keeps its claim. The
-actions each attempt sends are read from the in-process transport.
+actions each attempt sends are read from the dispatch the in-process transport calls.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import admission, lanes, runs
+from queues import admission, lanes, operations, runs
+from queues.authority import Claims
 from queues.receipts import Scope
 from tests.workers import eventually, fetch, running_worker
-from worker import contract
 from worker.context import RunContext
 from worker.plays import Registry
 
@@ -46,15 +46,13 @@ async def paid(ctx: RunContext, params: dict[str, Any]) -> list[str]:
 def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str, str | None]]]:
     """Every runtime action an attempt sends: (attempt, action, step key)."""
     calls: list[tuple[int, str, str | None]] = []
-    real = contract.LocalTransport.call
+    real = operations.dispatch
 
-    async def recording(
-        self: contract.LocalTransport, action: str, payload: dict[str, Any], **kw: Any
-    ) -> Any:
-        calls.append((self._claims.attempt, action, payload.get("stepKey")))
-        return await real(self, action, payload, **kw)
+    async def recording(conn: Any, body: dict[str, Any], claims: Claims, **kw: Any) -> Any:
+        calls.append((claims.attempt, body["action"], body["input"].get("stepKey")))
+        return await real(conn, body, claims, **kw)
 
-    monkeypatch.setattr(contract.LocalTransport, "call", recording)
+    monkeypatch.setattr(operations, "dispatch", recording)
     bodies.clear()
     yield calls
 
