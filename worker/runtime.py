@@ -71,15 +71,14 @@ from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.outage import TRANSIENT, Downtime, Outage
 from worker.plays import Registry
+from worker.slots import Live, Slots
 
 log = structlog.get_logger("worker.runtime")
 
 POLL_INTERVAL_S = 1.0
-CLAIM_BATCH_MAX = 64
 PREFETCH_MAX = 1000  # runs claimed ahead: leased while they wait, so bounded
 CLAIM_AHEAD_UNDER_S = 0.05  # plays this short are claimed ahead by default (see Settings)
 CLAIM_AHEAD_UNDER_MAX_S = 1.0
-AHEAD_PER_SLOT = 4  # runs claimed ahead for short plays, per slot
 AHEAD_HOLD_FACTOR = 20  # a run claimed ahead for short plays waits at most 20 x the bound
 HEARTBEAT_MAX_PERIOD_S = 2.0
 
@@ -130,17 +129,6 @@ class Settings:
 HANDBACK_S = 1.0
 
 
-@dataclass
-class _Live:
-    claimed: runs.Claimed
-    ctx: RunContext
-    task: asyncio.Task[None]
-    stop_reason: str | None = None  # cancel | lease_lost | handback | timeout
-    finishing: bool = False  # the play is done; its final write (or cleanup) is under way
-    timer: asyncio.TimerHandle | None = None  # stops the attempt at the run's timeout
-    started: float = field(default_factory=time.perf_counter)  # when its task was made
-
-
 class Worker:
     def __init__(self, settings: Settings) -> None:
         if not 0 <= settings.prefetch <= PREFETCH_MAX:
@@ -160,10 +148,13 @@ class Worker:
             )
         self.s = settings
         self.lane_names = [lanes.lane_name(r) for r in (settings.release, *settings.adopt)]
-        self.live: dict[uuid.UUID, _Live] = {}
-        self.ahead: deque[runs.Claimed] = deque()  # claimed ahead, not started (prefetch)
-        self.returned = 0  # live attempts whose play has returned (finishing)
-        self.short_streak = 0  # plays in a row that returned within claim_ahead_under_s
+        # What the worker holds (live attempts, runs claimed ahead); its concurrency is the
+        # lane's when not given, known at start.
+        self.slots = Slots(
+            concurrency=settings.concurrency or 0,
+            prefetch=settings.prefetch,
+            ahead_under_s=settings.claim_ahead_under_s,
+        )
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
         self.wake = asyncio.Event()
@@ -345,6 +336,7 @@ class Worker:
             )
         if self.s.concurrency is None:
             self.s.concurrency = self.lane.concurrency
+        self.slots.concurrency = self.s.concurrency
         structlog.contextvars.bind_contextvars(worker_id=self.s.worker_id)
 
     async def _serve(self) -> int:
@@ -433,7 +425,7 @@ class Worker:
             "worker_database_lost",
             error=lost.message,
             max_outage_s=self.s.max_outage_s,
-            running=len(self.live),
+            running=len(self.slots.live),
         )
         self.stopping.set()
         self.wake.set()
@@ -449,7 +441,7 @@ class Worker:
 
     def stop(self) -> None:
         """Stop claiming; running attempts get the grace period, then are handed back."""
-        log.info("worker_stopping", grace_s=self.s.grace_s, running=len(self.live))
+        log.info("worker_stopping", grace_s=self.s.grace_s, running=len(self.slots.live))
         self.stopping.set()
         self.wake.set()
         self.capacity.set()  # a claim loop waiting for a slot sees the stop at once
@@ -477,15 +469,15 @@ class Worker:
                 pass
         # Out of the set of waiting workers: spawns wake the others from now on.
         await _settle([asyncio.ensure_future(self._pass_on(leaving=True))], self._stop_left())
-        ahead, self.ahead = list(self.ahead), deque()
+        ahead, self.slots.ahead = list(self.slots.ahead), deque()
         await _settle(self._hand_back(ahead, "claimed_ahead_handed_back"), self._stop_left())
-        while self.live and time.monotonic() < self._grace_end:
+        while self.slots.live and time.monotonic() < self._grace_end:
             await asyncio.sleep(0.05)
-        for live in list(self.live.values()):
+        for live in list(self.slots.live.values()):
             if not live.finishing and live.stop_reason is None:
                 live.stop_reason = "handback"
                 live.task.cancel()
-        tasks = [live.task for live in self.live.values()]
+        tasks = [live.task for live in self.slots.live.values()]
         if tasks:
             # Hand-backs and final writes need the database: within the stop's bound (the
             # leases lapse and recovery takes over for what was not written).
@@ -546,7 +538,7 @@ class Worker:
                             # there is no room (also when the claim under way fills the
                             # slots: _claim_loop).
                             self.targeted = True
-                            if self.stopping.is_set() or self._claim_room() <= 0:
+                            if self.stopping.is_set() or self.slots.room() <= 0:
                                 passing = asyncio.create_task(self._pass_on())
                                 self._passing.add(passing)
                                 passing.add_done_callback(self._passing.discard)
@@ -561,7 +553,7 @@ class Worker:
         claim loop is waiting for work: the claim goes out before anything else the
         event loop has ready (a hop to the claim loop's task queued it behind them).
         False: the claim loop is busy or there is no room; it is woken instead."""
-        if not self._idle or self._claim_lock.locked() or self._claim_room() <= 0:
+        if not self._idle or self._claim_lock.locked() or self.slots.room() <= 0:
             return False
         try:
             got, want = await self._claim()
@@ -637,7 +629,7 @@ class Worker:
         run_id = transport.cancel_request(payload)
         if run_id is None:
             return
-        live = self.live.get(run_id)
+        live = self.slots.live.get(run_id)
         if live is None or live.stop_reason is not None or live.finishing:
             return
         self._to_check.add(run_id)
@@ -655,7 +647,8 @@ class Worker:
             leases = [
                 (run_id, live.claimed.attempt)
                 for run_id in named
-                if (live := self.live.get(run_id)) is not None and live.claimed.attempt is not None
+                if (live := self.slots.live.get(run_id)) is not None
+                and live.claimed.attempt is not None
             ]
             try:
                 async with self.pool.connection() as conn:
@@ -667,7 +660,7 @@ class Worker:
                 return  # the heartbeat reports a real request all the same
             self.stats["control_checks"] += 1
             for run_id, attempt_no in leases:
-                live = self.live.get(run_id)
+                live = self.slots.live.get(run_id)
                 if live is None or live.claimed.attempt != attempt_no:
                     continue
                 if (run_id, attempt_no) in requested:
@@ -680,7 +673,7 @@ class Worker:
                         reason="its run has no cancel request",
                     )
 
-    def _stop_run(self, live: _Live, reason: str) -> None:
+    def _stop_run(self, live: Live, reason: str) -> None:
         if live.finishing:
             if reason == "lease_lost":
                 live.stop_reason = reason  # stop renewing; the final write is fenced anyway
@@ -699,7 +692,7 @@ class Worker:
             # Cleared before the slots are counted, so a slot freed from here on (also
             # during the pass-on's round trip) is seen by the wait below, never lost.
             self.capacity.clear()
-            want = self._claim_room()
+            want = self.slots.room()
             if want <= 0:
                 # Woken as a waiting worker after the claim that filled the slots began:
                 # another worker takes the job (migration 0032).
@@ -726,14 +719,14 @@ class Worker:
                     self._poll = None
 
     async def _claim(self) -> tuple[int, int]:
-        """One claim of what there is room for (:meth:`_claim_room`, counted once the claim
+        """One claim of what there is room for (:meth:`Slots.room`, counted once the claim
         before it has landed); starts what fits in the free slots and keeps the rest
         claimed ahead. Claims are one at a time: the claim loop's, or the LISTEN loop's
         for a wake that came while the claim loop was waiting (:meth:`_claim_woken`).
         Returns how many runs it took and how many it asked for."""
         assert self.pool is not None
         async with self._claim_lock:
-            want = self._claim_room()
+            want = self.slots.room()
             if want <= 0 or self.stopping.is_set():
                 return 0, 0
             self.wake.clear()
@@ -754,19 +747,19 @@ class Worker:
                 if c.claimed:
                     assert self.heartbeat is not None and c.attempt is not None
                     self.heartbeat.track(c.run_id, c.attempt)  # leased from its claim
-                    self.ahead.append(c)
+                    self.slots.ahead.append(c)
                     got += 1
                 else:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             self._fill()
-            if self.ahead and not self.s.prefetch:
+            if self.slots.ahead and not self.s.prefetch:
                 # Claimed ahead for short plays: those still waiting when the hold ends go
                 # back to the lane, where another worker may take them.
                 asyncio.get_running_loop().call_later(
                     self.s.claim_ahead_under_s * AHEAD_HOLD_FACTOR,
                     self._expire_ahead,
-                    {c.run_id for c in self.ahead},
+                    {c.run_id for c in self.slots.ahead},
                 )
             return got, want
 
@@ -787,61 +780,17 @@ class Worker:
         except TRANSIENT as exc:  # the others' polls take the job
             log.warning("wake_pass_on_failed", error=repr(exc)[:300])
 
-    def _claim_room(self) -> int:
-        """How many runs the next claim asks for (0: none is due). Enough for the free
-        slots; when claiming ahead (:meth:`_prefetch`), also the local queue's room, topped
-        up in batches once it is down to half (not one claim per finished run)."""
-        assert self.s.concurrency is not None
-        free = self.s.concurrency - self._slots_taken()
-        queued = len(self.ahead)
-        prefetch = self._prefetch()
-        if free > queued or (prefetch and queued <= prefetch // 2):
-            return min(free + prefetch - queued, CLAIM_BATCH_MAX)
-        return 0
-
-    def _prefetch(self) -> int:
-        """How many runs to claim beyond the free slots: ``prefetch`` when set; else four times
-        ``concurrency`` while plays are short (the last ``concurrency`` of them each
-        returned within ``claim_ahead_under_s``), none otherwise.
-
-        Why claiming ahead for short plays costs the lane nothing: a run waits ahead only
-        while every slot is busy, and slots whose plays return within the bound free one
-        each within it, so a run claimed ahead starts sooner than a fresh claim's round trip
-        would let any worker start it, and the next claim overlaps the running plays
-        instead of following them. A play that takes longer ends the streak at once, and
-        the hold (:meth:`_expire_ahead`) bounds the wait of runs already claimed when
-        plays turn long (and no run is claimed ahead while the oldest play under way has
-        already taken longer). Four times the slots: claims of a useful size (a claim's
-        fixed cost is most of it at ten runs; at concurrency 10, four times drained faster
-        than twice in four alternating pairs), each run still started within about four
-        plays."""
-        if self.s.prefetch:
-            return self.s.prefetch
-        concurrency, bound = self.s.concurrency or 0, self.s.claim_ahead_under_s
-        if bound <= 0 or self.short_streak < concurrency:
-            return 0
-        # A long play under way (the oldest live attempt's play, still running past the
-        # bound) holds its slot: claim only for free slots until it returns.
-        oldest = next(iter(self.live.values()), None)
-        if (
-            oldest is not None
-            and not oldest.finishing
-            and time.perf_counter() - oldest.started >= bound
-        ):
-            return 0
-        return concurrency * AHEAD_PER_SLOT
-
     def _expire_ahead(self, run_ids: set[uuid.UUID]) -> None:
         """Hand back the runs claimed ahead for short plays that still wait for a slot after
         the hold: plays turned long, and another worker may start them now. Their final
         writes are queued here, synchronously, so the drain's last flush carries any that
         a stop overtakes."""
-        stale = [c for c in self.ahead if c.run_id in run_ids]
+        stale = [c for c in self.slots.ahead if c.run_id in run_ids]
         if not stale or self.stopping.is_set():
             return  # started, dropped, or the drain hands them back
         for c in stale:
-            self.ahead.remove(c)
-        self.short_streak = 0  # the slots stopped turning over: claim only for free ones
+            self.slots.ahead.remove(c)
+        self.slots.short_streak = 0  # the slots stopped turning over: claim only for free ones
         self.stats["ahead_expired"] += len(stale)
         for future in self._hand_back(stale, "claimed_ahead_expired"):
             future.add_done_callback(_retrieved)
@@ -850,19 +799,8 @@ class Worker:
         """Start runs claimed ahead while slots are free; once stopping, none (they are
         handed back)."""
         assert self.s.concurrency is not None
-        while (
-            self.ahead and not self.stopping.is_set() and self._slots_taken() < self.s.concurrency
-        ):
-            self._start(self.ahead.popleft())
-
-    def _slots_taken(self) -> int:
-        """Attempts holding a slot: those whose play has not returned yet (batched
-        completion), and those finishing beyond ``concurrency + prefetch`` of them, so a
-        slow database cannot make finishing attempts pile up while new runs are claimed.
-        (Claiming ahead needs the larger allowance: its final writes go out in batches
-        as large as its local queue.)"""
-        assert self.s.concurrency is not None
-        return len(self.live) - min(self.returned, self.s.concurrency + self._prefetch())
+        while self.slots.ahead and not self.stopping.is_set() and self.slots.free():
+            self._start(self.slots.ahead.popleft())
 
     def _hand_back(
         self, ahead: list[runs.Claimed], event: str
@@ -920,8 +858,8 @@ class Worker:
         task = asyncio.create_task(self._execute(c, ctx, transport), name=f"run:{c.run_id}")
         # A cleanup-only attempt is the cancel: the pending request its heartbeats report
         # must not stop the hooks it runs.
-        self.live[c.run_id] = _Live(c, ctx, task, stop_reason="cancel" if c.cleanup else None)
-        self._arm_timeout(self.live[c.run_id])
+        self.slots.live[c.run_id] = Live(c, ctx, task, stop_reason="cancel" if c.cleanup else None)
+        self._arm_timeout(self.slots.live[c.run_id])
 
     def _fail_unusable(self, c: runs.Claimed, problem: str) -> None:
         """A claimed run whose row this worker cannot use (:func:`queues.runs.unusable`):
@@ -940,7 +878,7 @@ class Worker:
             written
         )
 
-    def _arm_timeout(self, live: _Live) -> None:
+    def _arm_timeout(self, live: Live) -> None:
         """Stop the attempt at its run's timeout (queues.options), measured from the claim's
         database time, so the worker's clock does not matter."""
         c = live.claimed
@@ -953,7 +891,7 @@ class Worker:
         )
 
     def _time_out(self, run_id: uuid.UUID, attempt_no: int | None) -> None:
-        live = self.live.get(run_id)
+        live = self.slots.live.get(run_id)
         if live is not None and live.claimed.attempt == attempt_no and live.stop_reason is None:
             log.warning("run_timed_out", run_id=str(run_id), attempt=attempt_no)
             self._stop_run(live, "timeout")
@@ -985,9 +923,9 @@ class Worker:
             finally:  # also when a cancel arrives during the close
                 if self.heartbeat is not None:
                     self.heartbeat.untrack(c.run_id)
-                live = self.live.pop(c.run_id, None)
+                live = self.slots.live.pop(c.run_id, None)
                 if live is not None and live.finishing:
-                    self.returned -= 1
+                    self.slots.returned -= 1
                 if live is not None and live.timer is not None:
                     live.timer.cancel()
                 self._fill()  # the next run claimed ahead takes the slot at once
@@ -1001,7 +939,7 @@ class Worker:
                 self.wake.set()
 
     def _stop_reason(self, run_id: uuid.UUID) -> str | None:
-        live = self.live.get(run_id)
+        live = self.slots.live.get(run_id)
         return live.stop_reason if live is not None else "handback"
 
     async def _attempt(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
@@ -1012,14 +950,11 @@ class Worker:
         ended = await attempt.run(
             c, ctx, play, stop_reason=lambda: self._stop_reason(c.run_id), sandbox_spec=spec
         )
-        if time.perf_counter() - started < self.s.claim_ahead_under_s:
-            self.short_streak += 1
-        else:
-            self.short_streak = 0  # a long play: claim only for free slots from now on
-        live = self.live.get(c.run_id)
+        self.slots.played(time.perf_counter() - started)
+        live = self.slots.live.get(c.run_id)
         if live is not None:
             live.finishing = True  # a hand-back must not interrupt the final write
-            self.returned += 1
+            self.slots.returned += 1
             # Batched completion: the play has returned, so its slot is free; its final
             # write goes out with the finish loop's next batch, and its held connection
             # goes back to the pool first.
@@ -1083,12 +1018,12 @@ class Worker:
     def _on_beat(self, beat: Beat) -> None:
         kept = {r.run_id: r for r in beat.renewed}
         lapsed_ahead = {run_id for run_id, attempt_no in beat.sent if run_id not in kept} & {
-            c.run_id for c in self.ahead
+            c.run_id for c in self.slots.ahead
         }
         if lapsed_ahead:
             self._drop_ahead(lapsed_ahead)
         for run_id, attempt_no in beat.sent:
-            live = self.live.get(run_id)
+            live = self.slots.live.get(run_id)
             if live is None or live.claimed.attempt != attempt_no:
                 continue
             renewal = kept.get(run_id)
@@ -1100,18 +1035,18 @@ class Worker:
     def _on_silence(self, silent_s: float) -> None:
         # The watchdog: without renewals past the TTL our leases are gone.
         log.warning("heartbeat_silent_past_ttl", silent_s=round(silent_s, 1))
-        self._drop_ahead({c.run_id for c in self.ahead})
-        self._lose(self.live.values())
+        self._drop_ahead({c.run_id for c in self.slots.ahead})
+        self._lose(self.slots.live.values())
 
     def _drop_ahead(self, run_ids: set[uuid.UUID]) -> None:
         """Forget runs claimed ahead whose lease is gone: another attempt owns them now."""
-        for c in [c for c in self.ahead if c.run_id in run_ids]:
-            self.ahead.remove(c)
+        for c in [c for c in self.slots.ahead if c.run_id in run_ids]:
+            self.slots.ahead.remove(c)
             if self.heartbeat is not None:
                 self.heartbeat.untrack(c.run_id)
             log.warning("lease_lost", run_id=str(c.run_id), attempt=c.attempt, started=False)
 
-    def _lose(self, lost: Iterable[_Live]) -> None:
+    def _lose(self, lost: Iterable[Live]) -> None:
         for live in list(lost):
             if live.stop_reason == "lease_lost":
                 continue
@@ -1128,7 +1063,7 @@ class Worker:
         """The attempts running now (read from the heartbeat thread for lag reports)."""
         return [
             {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
-            for run_id, live in list(self.live.items())
+            for run_id, live in list(self.slots.live.items())
         ]
 
 

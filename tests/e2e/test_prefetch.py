@@ -266,7 +266,7 @@ async def test_a_stopping_worker_hands_back_the_runs_it_claimed_ahead(
             return sum((await owners(db_url, run_ids)).values()) == 5
 
         await eventually(claimed_all)
-        assert len(worker.ahead) == 4 and len(worker.live) == 1
+        assert len(worker.slots.ahead) == 4 and len(worker.slots.live) == 1
     rows = await fetch(
         db_url,
         "SELECT r.state::text, r.attempt, a.outcome::text, r.job_id IS NOT NULL"

@@ -128,7 +128,7 @@ async def two_held_and_four_ahead(url: str, a: Worker, hold_s: float) -> list[uu
     run_ids = await admit(url, subs)
 
     async def all_claimed() -> bool:
-        return len(a.ahead) == 4 and len(a.live) == 2
+        return len(a.slots.ahead) == 4 and len(a.slots.live) == 2
 
     await eventually(all_claimed, timeout=10, interval=0.01)
     return run_ids
@@ -199,10 +199,10 @@ async def test_a_long_play_ends_claiming_ahead_at_once(
     async with running_worker(db_url, registry, release="t", concurrency=2) as worker:
         await admit(db_url, [("counted", {"i": i}) for i in range(4)])
         await succeeded(db_url, 4)
-        assert worker._prefetch() == 8
+        assert worker.slots.prefetch() == 8
         await admit(db_url, [("counted", {"i": 10, "sleep_s": 0.2})])
         await succeeded(db_url, 5)
-        assert worker._prefetch() == 0
+        assert worker.slots.prefetch() == 0
         del limits[:]
         await admit(db_url, [("counted", {"i": 20 + i}) for i in range(3)])
         await succeeded(db_url, 8)
@@ -228,7 +228,7 @@ async def test_runs_claimed_ahead_wait_at_most_the_hold_then_another_worker_runs
             waited = asyncio.get_running_loop().time() - claimed_at
             assert 20 * HOLD_UNDER_S - 0.1 <= waited < 20 * HOLD_UNDER_S + 3
             assert a.stats["ahead_expired"] == 4
-            assert a._prefetch() == 0
+            assert a.slots.prefetch() == 0
             assert await attempts_of(db_url, ahead) == sorted(
                 [(1, a.s.worker_id, "handed_back"), (2, b.s.worker_id, "succeeded")] * 4
             )
@@ -253,7 +253,7 @@ async def test_a_stop_hands_back_runs_claimed_ahead_for_short_plays(
         )
 
         async def claimed() -> bool:
-            return len(worker.ahead) == 2 and len(worker.live) == 1
+            return len(worker.slots.ahead) == 2 and len(worker.slots.live) == 1
 
         await eventually(claimed, timeout=10, interval=0.01)
     rows = await fetch(
@@ -305,7 +305,7 @@ async def test_the_holds_hand_back_of_runs_whose_leases_were_taken_is_refused(
                 db_url, registry, release="t", concurrency=4, claim_ahead_under_s=0.0
             ) as b:
                 await all_succeeded(db_url, ahead, timeout=4)
-                assert len(a.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
+                assert len(a.slots.ahead) == 4 and a.stats["ahead_expired"] == 0  # the hold is on
                 before = await attempts_of(db_url, ahead)
                 assert before == sorted(
                     [(1, a.s.worker_id, "lease_expired"), (2, b.s.worker_id, "succeeded")] * 4
@@ -350,11 +350,11 @@ async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
     async with running_worker(db_url, plays, release="t", concurrency=2) as worker:
         await admit(db_url, [("counted", {"i": i}) for i in range(2)])
         await succeeded(db_url, 2)
-        assert worker._prefetch() == 8
+        assert worker.slots.prefetch() == 8
         await admit(db_url, [("long", {"i": 9})])
 
         async def long_under_way() -> bool:
-            return len(worker.live) == 1 and worker._prefetch() == 0
+            return len(worker.slots.live) == 1 and worker.slots.prefetch() == 0
 
         await eventually(long_under_way, timeout=10)
         del limits[:]
@@ -365,7 +365,7 @@ async def test_no_run_is_claimed_ahead_while_a_play_under_way_is_past_the_bound(
         # A short run's final write lands before its attempt leaves `live` (it is then
         # `finishing`): what is left once they are gone is the long play, nothing ahead.
         async def only_the_long_play() -> bool:
-            return len(worker.live) == 1 and not worker.ahead
+            return len(worker.slots.live) == 1 and not worker.slots.ahead
 
         await eventually(only_the_long_play, timeout=10)
         released.set()

@@ -267,7 +267,7 @@ async def test_two_claimers_never_take_more_than_the_free_slots(db_url: str) -> 
         async def watch() -> None:
             while True:
                 seen.append(await _running(db_url, w))
-                seen.append(len(w.live) + len(w.ahead))
+                seen.append(len(w.slots.live) + len(w.slots.ahead))
                 await asyncio.sleep(0.005)
 
         watching = asyncio.create_task(watch())
@@ -308,7 +308,7 @@ async def wakes_read(url: str, w: Worker) -> None:
     is sent, and ``w`` looks the run up once it reads the message. Notifications come in
     the order they were committed, and the LISTEN loop reads the next one only once it is
     done with the one before (a claim on wake included)."""
-    run_id = next(iter(w.live))
+    run_id = next(iter(w.slots.live))
     checks = w.stats["control_checks"]
     async with connect(url) as conn:
         await conn.execute(
@@ -369,7 +369,7 @@ async def test_a_slot_freed_while_a_wake_is_passed_on_is_seen(
         held = await submit(db_url, "hold", release=RELEASE)
 
         async def holding() -> bool:
-            return held in w.live
+            return held in w.slots.live
 
         await eventually(holding)  # the one slot is taken
         real = runs.stop_waiting
@@ -379,7 +379,7 @@ async def test_a_slot_freed_while_a_wake_is_passed_on_is_seen(
             gate["hold"].set()
 
             async def over() -> bool:
-                return held not in w.live
+                return held not in w.slots.live
 
             await eventually(over)
             await real(conn, worker_id)

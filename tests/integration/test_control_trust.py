@@ -65,7 +65,7 @@ async def notify_cancel(url: str, run_id: uuid.UUID) -> None:
 
 
 def live(worker: Worker, run_id: uuid.UUID) -> bool:
-    attempt = worker.live.get(run_id)
+    attempt = worker.slots.live.get(run_id)
     return attempt is not None and attempt.stop_reason is None and not attempt.task.done()
 
 

@@ -281,7 +281,7 @@ async def test_watchdog_stops_an_attempt_whose_lease_was_rescued(url: str) -> No
         async def attempt_live() -> bool:
             # The claim is visible once committed, a moment before the worker has read its
             # answer and started the attempt.
-            return run_id in worker.live
+            return run_id in worker.slots.live
 
         await eventually(attempt_live, timeout=5)
         async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -292,7 +292,7 @@ async def test_watchdog_stops_an_attempt_whose_lease_was_rescued(url: str) -> No
         assert [r.run_id for r in report.expired] == [run_id]
 
         async def attempt_stopped() -> bool:
-            return run_id not in worker.live
+            return run_id not in worker.slots.live
 
         await eventually(attempt_stopped, timeout=5)  # not the play's 60 s
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
@@ -320,7 +320,7 @@ async def test_shutdown_does_not_interrupt_a_final_write_under_way(url: str) -> 
         run_id = await submit(url, "echo", {"x": 1})
 
         async def finishing() -> bool:
-            live = worker.live.get(run_id)
+            live = worker.slots.live.get(run_id)
             return live is not None and live.finishing
 
         await eventually(finishing)

@@ -172,7 +172,7 @@ async def test_an_outcome_reported_after_a_cancel_becomes_cancelled(url: str, fa
         run_id = await submit(url, "quick", {"fail": fail})
 
         async def finishing() -> bool:
-            live = worker.live.get(run_id)
+            live = worker.slots.live.get(run_id)
             return live is not None and live.finishing
 
         await eventually(finishing)  # the play returned (or raised); its write waits
@@ -246,7 +246,7 @@ async def test_a_forced_cancel_ends_a_hanging_run_and_fences_its_attempt(url: st
         assert (forced.before, forced.after) == ("running", "cancelled")
 
         async def stopped() -> bool:
-            return run_id not in worker.live  # its next heartbeat was refused
+            return run_id not in worker.slots.live  # its next heartbeat was refused
 
         await eventually(stopped)
     assert await hooks(url, run_id) == []  # forced: no cleanup
@@ -336,7 +336,7 @@ async def test_a_cancel_with_a_lapsed_lease_runs_the_cleanup_once(
         assert [(r.run_id, r.state) for r in report.expired] == [(run_id, "queued")]
 
         async def attempt_1_stopped() -> bool:
-            return run_id not in first.live
+            return run_id not in first.slots.live
 
         await eventually(attempt_1_stopped)
         claims.open()

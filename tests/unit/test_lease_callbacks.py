@@ -13,7 +13,8 @@ from structlog.testing import capture_logs
 from queues import runs
 from worker.heartbeat import Beat
 from worker.plays import Registry
-from worker.runtime import Settings, Worker, _Live
+from worker.runtime import Settings, Worker
+from worker.slots import Live
 
 
 def claimed(run_id: uuid.UUID) -> runs.Claimed:
@@ -39,17 +40,17 @@ async def test_a_missing_renewal_stops_a_running_play_and_quietly_ends_a_finishi
     )
     run_id = uuid.uuid4()
     task = asyncio.create_task(asyncio.sleep(60))
-    live = _Live(
+    live = Live(
         claimed(run_id), ctx=SimpleNamespace(cancel_requested=False), task=task, finishing=finishing
     )  # type: ignore[arg-type]
-    worker.live[run_id] = live
+    worker.slots.live[run_id] = live
     kept = uuid.uuid4()  # another attempt's lease, renewed: untouched
-    other = _Live(
+    other = Live(
         claimed(kept),
         ctx=SimpleNamespace(cancel_requested=False),
         task=asyncio.create_task(asyncio.sleep(60)),
     )  # type: ignore[arg-type]
-    worker.live[kept] = other
+    worker.slots.live[kept] = other
     renewed = runs.Renewed(run_id=kept, attempt=1, lease_expires_at=None, cancel=False)  # type: ignore[arg-type]
     with capture_logs() as logs:
         worker._on_beat(Beat(sent=((run_id, 1), (kept, 1)), renewed=(renewed,)))

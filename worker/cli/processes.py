@@ -28,6 +28,7 @@ from worker import (
     metrics_http,
     projector,
     runtime,
+    slots,
     stopping,
 )
 from worker import recovery as worker_recovery
@@ -136,7 +137,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     show_default=True,
     envvar="WORKER_CLAIM_AHEAD_UNDER",
     help="With --prefetch 0: while plays return within this duration, also claim up to "
-    f"{runtime.AHEAD_PER_SLOT} times --concurrency runs ahead; one waiting over "
+    f"{slots.AHEAD_PER_SLOT} times --concurrency runs ahead; one waiting over "
     f"{runtime.AHEAD_HOLD_FACTOR} times this goes back to the lane "
     "($WORKER_CLAIM_AHEAD_UNDER; 0: never). docs/explanation/execution.md.",
 )
