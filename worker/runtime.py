@@ -47,7 +47,6 @@ import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import authority, lanes, migrations, outcomes, runs, server, transport
-from queues import recovery as passes
 from queues.errors import DatabaseLost, DatabaseUnreachable, WorkerError
 from queues.outcomes import FinishStatus
 from worker import (
@@ -70,6 +69,7 @@ from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_cla
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.outage import TRANSIENT, Downtime, Outage
+from worker.peers import Peers
 from worker.plays import Registry
 from worker.slots import Live, Slots
 
@@ -166,6 +166,7 @@ class Worker:
         self.pool: AsyncConnectionPool[Any] | None = None
         self.pool_check: PoolCheck | None = None  # after a blip (worker.contract)
         self.heartbeat: Heartbeat | None = None
+        self.peers: Peers | None = None  # made with the heartbeat (its period)
         self.gateway: Served | None = None
         self.gateway_url: str | None = settings.gateway_url
         self.sandboxes: sandbox.Launcher | None = None  # with sandboxed plays
@@ -242,6 +243,13 @@ class Worker:
             connect_kwargs=self._connect_kwargs("heartbeat"),
         )
         self.heartbeat.start()
+        self.peers = Peers(
+            self._connection,
+            period_s=self.heartbeat.period_s,
+            stopping=self.stopping,
+            downtime=self.downtime,
+            rescued=self.wake.set,
+        )
         try:
             await self._start_gateway()
             return await self._serve()
@@ -343,13 +351,14 @@ class Worker:
         if self.s.install_signals:
             stopping.on_stop_signals(self.request_stop)
         listening = self.listen_url is not None
-        assert self.pool is not None
+        assert self.pool is not None and self.peers is not None
+        peers = self.peers
         self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
         tasks = [
             self._claiming,
             asyncio.create_task(self.completer.run(), name="finish"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
-            asyncio.create_task(self._peers_loop(), name="peers"),
+            asyncio.create_task(peers.run(), name="peers"),
             asyncio.create_task(
                 scheduler.run(
                     self.pool,
@@ -523,7 +532,7 @@ class Worker:
                 ) as conn:
                     await transport.listen(conn, self.lane_names)
                     # This session is the worker's life: while it lasts the worker is not
-                    # gone; when it ends its leases are rescued within seconds (_peers_loop),
+                    # gone; when it ends its leases are rescued within seconds (worker.peers),
                     # and spawns stop waking it on its own channel (migration 0032).
                     own = await runs.hold_liveness(conn, self.s.worker_id)
                     await transport.listen_wake(conn, own)
@@ -570,37 +579,6 @@ class Worker:
             # wait and can no longer be moved (asyncio raises): that loop claims next.
             self._poll.reschedule(asyncio.get_running_loop().time() + self.s.poll_s)
         return True
-
-    async def _peers_loop(self) -> None:
-        """Between recovery passes, every heartbeat period: rescue the leases of workers
-        that are gone (their session ended), so a killed worker's runs, and the runs it
-        claimed ahead, go back to their lanes within seconds instead of when their leases
-        lapse and a recovery pass comes (queues.recovery.rescue_gone)."""
-        assert self.pool is not None and self.heartbeat is not None
-        period = self.heartbeat.period_s
-        while not self.stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), period)
-            if self.stopping.is_set():
-                return
-            try:
-                async with self.pool.connection() as conn:
-                    rescued = await passes.rescue_gone(conn)
-            except TRANSIENT as exc:
-                # Counted in the outage (a worker whose slots are all busy claims nothing,
-                # and without a LISTEN session this loop may be the first to notice).
-                self.downtime.failed("peers", exc)
-                continue
-            self.downtime.ok()
-            for r in rescued:
-                log.warning(
-                    "lease_rescued_owner_gone",
-                    run_id=str(r.run_id),
-                    attempt=r.attempt,
-                    next_state=r.state,
-                )
-            if rescued:
-                self.wake.set()
 
     async def _maintenance_loop(self) -> None:
         """Serve the recovery pass as procrastinate's periodic task (one per tick however
