@@ -47,7 +47,7 @@ import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from queues import authority, lanes, migrations, outcomes, runs, server, transport
-from queues.errors import DatabaseLost, DatabaseUnreachable, WorkerError
+from queues.errors import DatabaseLost, WorkerError
 from queues.outcomes import FinishStatus
 from worker import (
     attempt,
@@ -68,6 +68,7 @@ from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
+from worker.notifier import Notifier
 from worker.outage import TRANSIENT, Downtime, Outage
 from worker.peers import Peers
 from worker.plays import Registry
@@ -378,7 +379,17 @@ class Worker:
             ),
         ]
         if listening:
-            tasks.append(asyncio.create_task(self._notify_loop(), name="listen"))
+            assert self.listen_url is not None
+            notifier = Notifier(
+                self.listen_url,
+                lanes=self.lane_names,
+                worker_id=self.s.worker_id,
+                downtime=self.downtime,
+                on_listening=self.wake.set,  # anything spawned while it was not listening
+                on_control=self._control,
+                on_wake=self._on_wake,
+            )
+            tasks.append(asyncio.create_task(notifier.run(), name="listen"))
         if self.s.ready_file is not None:
             files.replace_atomically(
                 self.s.ready_file,
@@ -516,46 +527,19 @@ class Worker:
 
     # ---- loops --------------------------------------------------------------------------
 
-    async def _notify_loop(self) -> None:
-        """LISTEN for the lanes' jobs and for control messages; reconnect when cut off. The
-        LISTEN session is always a session (a direct or session-mode URL), never pooled. A
-        wake that comes while the claim loop waits for work is claimed here
-        (:meth:`_claim_woken`)."""
-        assert self.listen_url is not None
-        outage = Outage("listen", self.downtime)
-        while True:
-            try:
-                async with db.session(
-                    self.listen_url,
-                    mode=PoolMode.SESSION,
-                    application=f"wq-listen {self.s.worker_id}",
-                ) as conn:
-                    await transport.listen(conn, self.lane_names)
-                    # This session is the worker's life: while it lasts the worker is not
-                    # gone; when it ends its leases are rescued within seconds (worker.peers),
-                    # and spawns stop waking it on its own channel (migration 0032).
-                    own = await runs.hold_liveness(conn, self.s.worker_id)
-                    await transport.listen_wake(conn, own)
-                    outage.ok()
-                    self.wake.set()  # anything inserted while we were not listening
-                    async for note in conn.notifies():
-                        if note.channel == transport.CONTROL_CHANNEL:
-                            self._control(note.payload)
-                            continue
-                        if note.channel == own:
-                            # Chosen as a waiting worker: claim, or pass the wake on when
-                            # there is no room (also when the claim under way fills the
-                            # slots: _claim_loop).
-                            self.targeted = True
-                            if self.stopping.is_set() or self.slots.room() <= 0:
-                                passing = asyncio.create_task(self._pass_on())
-                                self._passing.add(passing)
-                                passing.add_done_callback(self._passing.discard)
-                        if await self._claim_woken():
-                            continue
-                        self.wake.set()
-            except (*TRANSIENT, DatabaseUnreachable) as exc:
-                await outage.failed(exc)
+    async def _on_wake(self, targeted: bool) -> None:
+        """A job's wake, heard by the LISTEN session (``targeted``: on this worker's own
+        channel, chosen as a waiting worker): claimed here when the claim loop waits for
+        work (:meth:`_claim_woken`), else the claim loop is woken. A targeted wake with no
+        room is passed on (also when the claim under way fills the slots: _claim_loop)."""
+        if targeted:
+            self.targeted = True
+            if self.stopping.is_set() or self.slots.room() <= 0:
+                passing = asyncio.create_task(self._pass_on())
+                self._passing.add(passing)
+                passing.add_done_callback(self._passing.discard)
+        if not await self._claim_woken():
+            self.wake.set()
 
     async def _claim_woken(self) -> bool:
         """Claim for a wake right here, in the LISTEN loop's turn that read it, when the
@@ -684,9 +668,9 @@ class Worker:
                 continue
             outage.ok()
             if got < want and not self.stopping.is_set():
-                # Waiting for work. A wake that comes now is claimed by the LISTEN loop
-                # itself (_notify_loop), in the turn that read it; this loop claims again
-                # at the next poll, or when woken for anything else.
+                # Waiting for work. A wake that comes now is claimed in the LISTEN
+                # session's turn that read it (_on_wake); this loop claims again at the
+                # next poll, or when woken for anything else.
                 self._idle = True
                 try:
                     with contextlib.suppress(TimeoutError):
