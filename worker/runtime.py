@@ -19,7 +19,7 @@ heartbeat, the projector and the maintenance worker; ``max_connections`` caps th
 The one LISTEN session hears the lanes' jobs and cancels (not the ledger's events: the
 projector inside a worker polls, :mod:`worker.projector`); a cancel message only names a
 run to look at, and its durable request, read from the database, decides
-(:meth:`Worker._control`). It goes to ``listen_url`` when
+(:mod:`worker.control`). It goes to ``listen_url`` when
 one is given, since behind a transaction-mode pooler
 (``pool_mode``) a LISTEN needs a direct or session-mode connection. Behind such a pooler
 with no listen URL the worker polls: an idle worker picks up a new run within
@@ -66,6 +66,7 @@ from worker.completer import BatchCompleter
 from worker.config import PoolMode, pool_mode
 from worker.context import STEP_LEASE_S, RunContext, RunInfo
 from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
+from worker.control import CancelChecks
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.notifier import Notifier
@@ -197,8 +198,15 @@ class Worker:
         self._poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
         self._plays: list[str] = []  # the registry's plays, as the claim loop began
         self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
-        self._to_check: set[uuid.UUID] = set()  # runs control messages named, to look up
-        self._checking: asyncio.Task[None] | None = None  # the lookup under way (_check_cancels)
+        # Control messages name runs to look at; a durable cancel request stops them.
+        self.control = CancelChecks(
+            self._connection,
+            worker_id=settings.worker_id,
+            slots=self.slots,
+            stopping=self.stopping,
+            cancel=lambda live: self._stop_run(live, "cancel"),
+            checked=self._count_control_check,
+        )
         self._grace_end = 0.0  # when a stop's grace ends (_drain)
         # The worker's one account of a database outage, fed by its loops: past
         # max_outage_s the worker stops at once (worker.outage).
@@ -386,7 +394,7 @@ class Worker:
                 worker_id=self.s.worker_id,
                 downtime=self.downtime,
                 on_listening=self.wake.set,  # anything spawned while it was not listening
-                on_control=self._control,
+                on_control=self.control.heard,
                 on_wake=self._on_wake,
             )
             tasks.append(asyncio.create_task(notifier.run(), name="listen"))
@@ -425,7 +433,8 @@ class Worker:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         # Wakes being passed on and a cancel lookup: within the stop's bound, then dropped.
-        pending = [*self._passing, *([self._checking] if self._checking is not None else [])]
+        checking = self.control.checking
+        pending = [*self._passing, *([checking] if checking is not None else [])]
         await _settle(pending, self._stop_left())
         assert self.pool is not None
         left = self._stop_left()
@@ -583,57 +592,8 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), 5.0)
 
-    def _control(self, payload: str) -> None:
-        """A control message names a run to look at, never an order: anyone who can connect
-        can NOTIFY any channel. A run of ours it names is looked up (:meth:`_check_cancels`);
-        only a durable cancel request stops it. (Missed or not, the next heartbeat reports
-        the request too.)"""
-        run_id = transport.cancel_request(payload)
-        if run_id is None:
-            return
-        live = self.slots.live.get(run_id)
-        if live is None or live.stop_reason is not None or live.finishing:
-            return
-        self._to_check.add(run_id)
-        if self._checking is None or self._checking.done():
-            self._checking = asyncio.create_task(self._check_cancels(), name="control")
-
-    async def _check_cancels(self) -> None:
-        """Read the durable cancel requests of the runs control messages named, in one
-        statement per round (messages that come meanwhile wait for the next round, so a
-        flood of them costs one small read at a time), and stop the attempts whose run has
-        one."""
-        assert self.pool is not None
-        while self._to_check and not self.stopping.is_set():
-            named, self._to_check = self._to_check, set()
-            leases = [
-                (run_id, live.claimed.attempt)
-                for run_id in named
-                if (live := self.slots.live.get(run_id)) is not None
-                and live.claimed.attempt is not None
-            ]
-            try:
-                async with self.pool.connection() as conn:
-                    requested = await runs.cancel_requested(
-                        conn, worker_id=self.s.worker_id, leases=leases
-                    )
-            except TRANSIENT as exc:
-                log.warning("cancel_check_failed", error=repr(exc)[:300])
-                return  # the heartbeat reports a real request all the same
-            self.stats["control_checks"] += 1
-            for run_id, attempt_no in leases:
-                live = self.slots.live.get(run_id)
-                if live is None or live.claimed.attempt != attempt_no:
-                    continue
-                if (run_id, attempt_no) in requested:
-                    if live.stop_reason is None:
-                        self._stop_run(live, "cancel")
-                else:
-                    log.warning(
-                        "control_message_ignored",
-                        run_id=str(run_id),
-                        reason="its run has no cancel request",
-                    )
+    def _count_control_check(self) -> None:
+        self.stats["control_checks"] += 1
 
     def _stop_run(self, live: Live, reason: str) -> None:
         if live.finishing:
