@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from queues import children, fields, receipts, sheets, tracing
+from queues import children, fields, receipts, runs, sheets, tracing
 from queues.errors import InvalidField, OperationRefused
 from queues.fence import Fence
 from queues.options import RunOptions
@@ -120,6 +120,24 @@ class RunInfo:
     @property
     def fence(self) -> Fence:
         return Fence(self.run_id, self.attempt, self.worker_id)
+
+    @classmethod
+    def of_claim(cls, c: runs.Claimed, worker_id: str) -> RunInfo:
+        """The attempt ``worker_id`` claimed (a usable row: :func:`queues.runs.unusable`)."""
+        assert c.attempt is not None and c.org and c.play and c.lane and c.release
+        assert c.created_at is not None
+        return cls(
+            c.run_id,
+            c.attempt,
+            c.org,
+            c.play,
+            c.lane,
+            c.release,
+            worker_id,
+            c.created_at,
+            meta=c.meta,
+            resumed=bool(c.resumed),
+        )
 
 
 class RunContext:

@@ -743,20 +743,7 @@ class Worker:
         if problem is not None:
             self._fail_unusable(c, problem)
             return
-        assert c.attempt is not None and c.org and c.play and c.lane and c.release
-        assert c.created_at is not None
-        info = RunInfo(
-            c.run_id,
-            c.attempt,
-            c.org,
-            c.play,
-            c.lane,
-            c.release,
-            self.s.worker_id,
-            c.created_at,
-            meta=c.meta,
-            resumed=bool(c.resumed),
-        )
+        info = RunInfo.of_claim(c, self.s.worker_id)
         transport = LocalTransport(
             self.pool,
             functools.partial(in_process_claims, c, self.s.worker_id),
@@ -776,7 +763,7 @@ class Worker:
         ctx = RunContext(info, dict(c.params or {}), absorbing)
         self.transports.add(transport)
         self.stats["claimed"] += 1
-        self.heartbeat.track(c.run_id, c.attempt)
+        self.heartbeat.track(c.run_id, info.attempt)
         task = asyncio.create_task(self._execute(c, ctx, transport), name=f"run:{c.run_id}")
         # A cleanup-only attempt is the cancel: the pending request its heartbeats report
         # must not stop the hooks it runs.

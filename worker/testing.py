@@ -160,23 +160,10 @@ async def _attempt(
             f"the claim took run {c.run_id} of lane {c.lane}, not the run under test: pass "
             "run_play a release of its own (release=...) whose lane holds no other run"
         )
-    assert c.attempt is not None and c.org and c.play and c.lane and c.release
-    assert c.created_at is not None
-    info = RunInfo(
-        c.run_id,
-        c.attempt,
-        c.org,
-        c.play,
-        c.lane,
-        c.release,
-        WORKER_ID,
-        c.created_at,
-        meta=c.meta,
-        resumed=bool(c.resumed),
-    )
+    info = RunInfo.of_claim(c, WORKER_ID)
     transport = ConnectionTransport(conn, functools.partial(in_process_claims, c, WORKER_ID))
     ctx = RunContext(info, dict(c.params or {}), transport)
-    found = registry.get(c.play)
+    found = registry.get(info.play)
     ended = await attempt.run(c, ctx, found, stop_reason=lambda: None)
 
     @contextlib.asynccontextmanager

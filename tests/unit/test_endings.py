@@ -3,8 +3,6 @@ executor becomes the final write the outcome policy says, decided without a data
 
 from __future__ import annotations
 
-import dataclasses
-import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -13,40 +11,24 @@ import pytest
 
 from queues import outcomes, runs
 from queues.outcomes import Outcome, RunState
+from tests.claimed import RUN
+from tests.claimed import claimed as claimed_row
 from worker import endings
 from worker.endings import Fatal, Fenced, Raised, Returned, Stopped, Suspended, final
 
-RUN = uuid.uuid4()
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
+# The second attempt, after one failure, leased at T0.
+SECOND = {
+    "attempt": 2,
+    "failures": 1,
+    "authority": None,
+    "lease_expires_at": T0 + timedelta(seconds=30),
+    "created_at": T0,
+}
 
 
 def claimed(**changes: Any) -> runs.Claimed:
-    base = runs.Claimed(
-        claimed=True,
-        run_id=RUN,
-        attempt=2,
-        org="acme",
-        play="echo",
-        params={},
-        lane="r-t",
-        release="t",
-        job_id=7,
-        lease_expires_at=T0 + timedelta(seconds=30),
-        wake_payload=None,
-        created_at=T0,
-        authority=None,
-        cleanup=False,
-        lease_ttl_s=30.0,
-        heartbeat_s=5.0,
-        retry_max_attempts=3,
-        retry_base_s=1.0,
-        retry_cap_s=10.0,
-        retry_jitter=0.0,
-        max_interruptions=3,
-        failures=1,
-        interruptions=0,
-    )
-    return dataclasses.replace(base, **changes)
+    return claimed_row(**(SECOND | changes))
 
 
 def raised(exc: BaseException) -> Raised:

@@ -5,7 +5,6 @@ one table, the same whatever Unicode version the running Python has."""
 
 from __future__ import annotations
 
-import dataclasses
 import unicodedata
 import uuid
 from typing import Any
@@ -13,45 +12,8 @@ from typing import Any
 import pytest
 
 from queues import fields, runs
-from queues.authority import EXECUTOR_CAPABILITIES
 from queues.errors import InvalidField
-
-RUN = uuid.uuid4()
-
-
-def claimed(**changes: Any) -> runs.Claimed:
-    good = runs.Claimed(
-        claimed=True,
-        run_id=RUN,
-        attempt=1,
-        org="acme",
-        play="echo",
-        params={"a": 1},
-        lane="r-t",
-        release="t",
-        job_id=7,
-        lease_expires_at=None,
-        wake_payload=None,
-        created_at=None,
-        authority={
-            "run": str(RUN),
-            "org": "acme",
-            "play": "echo",
-            "release": "t",
-            "capabilities": list(EXECUTOR_CAPABILITIES),
-        },
-        cleanup=False,
-        lease_ttl_s=30.0,
-        heartbeat_s=5.0,
-        retry_max_attempts=3,
-        retry_base_s=1.0,
-        retry_cap_s=10.0,
-        retry_jitter=0.0,
-        max_interruptions=3,
-        failures=0,
-        interruptions=0,
-    )
-    return dataclasses.replace(good, **changes)
+from tests.claimed import claimed
 
 
 def test_a_row_as_admission_writes_it_is_usable() -> None:
