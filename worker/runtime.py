@@ -5,8 +5,8 @@ the lane (a procrastinate queue), inserted by admission. A worker whose last cla
 back short waits for work: a new job wakes one such worker on its own channel, in turns,
 or, with nobody waiting, every worker on the lane's channel (migration 0032); a wake that
 comes while the claim loop waits is claimed by the LISTEN loop in the turn that read it
-(:meth:`Worker._claim_woken`). The worker claims jobs in batches (the transport takes up
-to N jobs, then one statement starts N attempts) and writes finished attempts in batches
+(:mod:`worker.producer`). The worker claims jobs in batches (the transport takes up to N
+jobs, then one statement starts N attempts) and writes finished attempts in batches
 (one fenced statement finishes N runs and their jobs), which is where it gains on
 one-job-at-a-time fetching.
 
@@ -46,7 +46,7 @@ import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from queues import authority, lanes, migrations, outcomes, runs, server, transport
+from queues import authority, lanes, migrations, outcomes, runs, server
 from queues.errors import DatabaseLost, WorkerError
 from queues.outcomes import FinishStatus
 from worker import (
@@ -70,9 +70,10 @@ from worker.control import CancelChecks
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.notifier import Notifier
-from worker.outage import TRANSIENT, Downtime, Outage
+from worker.outage import TRANSIENT, Downtime
 from worker.peers import Peers
 from worker.plays import Registry
+from worker.producer import Producer, retrieved
 from worker.slots import Live, Slots
 
 log = structlog.get_logger("worker.runtime")
@@ -81,7 +82,6 @@ POLL_INTERVAL_S = 1.0
 PREFETCH_MAX = 1000  # runs claimed ahead: leased while they wait, so bounded
 CLAIM_AHEAD_UNDER_S = 0.05  # plays this short are claimed ahead by default (see Settings)
 CLAIM_AHEAD_UNDER_MAX_S = 1.0
-AHEAD_HOLD_FACTOR = 20  # a run claimed ahead for short plays waits at most 20 x the bound
 HEARTBEAT_MAX_PERIOD_S = 2.0
 
 
@@ -159,11 +159,8 @@ class Worker:
         )
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
-        self.wake = asyncio.Event()
-        self.capacity = asyncio.Event()
         self._claiming: asyncio.Task[None] | None = None  # the claim loop
         self._signals = 0
-        self.procrastinate_id: int | None = None
         self.lane: lanes.Lane | None = None
         self.pool: AsyncConnectionPool[Any] | None = None
         self.pool_check: PoolCheck | None = None  # after a blip (worker.contract)
@@ -187,17 +184,11 @@ class Worker:
             "claims": 0,  # claim statements
             "claims_empty": 0,  # of them, those that took nothing
             "wakes_passed_on": 0,  # wakes for this worker alone it had no room for
-            "claims_on_wake": 0,  # of the claims, those the LISTEN loop made (_claim_woken)
+            "claims_on_wake": 0,  # of the claims, those made for a wake (Producer.claim_woken)
             "ahead_expired": 0,  # runs claimed ahead for short plays, handed back unstarted
             "row_invalid": 0,  # claimed runs failed before starting: a row no worker can use
             "control_checks": 0,  # reads of the durable cancel requests control messages named
         }
-        self.targeted = False  # a wake for this worker alone came since its last claim
-        self._claim_lock = asyncio.Lock()  # one claim at a time (_claim)
-        self._idle = False  # the claim loop waits for a wake (_claim_woken)
-        self._poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
-        self._plays: list[str] = []  # the registry's plays, as the claim loop began
-        self._passing: set[asyncio.Task[None]] = set()  # wakes being passed on
         # Control messages name runs to look at; a durable cancel request stops them.
         self.control = CancelChecks(
             self._connection,
@@ -213,6 +204,25 @@ class Worker:
         self.downtime = Downtime(settings.max_outage_s, on_lost=self._database_lost)
         # Where every attempt's final write is made: batched, fenced, through outages.
         self.completer = BatchCompleter(self._connection, settings.worker_id, self.downtime)
+        # Every claim goes through the producer; it starts what it claims (_start).
+        self.producer = Producer(
+            self._connection,
+            slots=self.slots,
+            lanes=self.lane_names,
+            worker_id=settings.worker_id,
+            plays=settings.registry.names(),
+            poll_s=settings.poll_s,
+            prefetch=settings.prefetch,
+            ahead_under_s=settings.claim_ahead_under_s,
+            stopping=self.stopping,
+            downtime=self.downtime,
+            stats=self.stats,
+            track=self._track,
+            start=self._start,
+            hand_back=self._hand_back,
+        )
+        self.wake = self.producer.wake  # look for work now
+        self.capacity = self.producer.capacity  # a slot freed
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -343,7 +353,7 @@ class Worker:
             self.lane = await lanes.get(conn, lanes.lane_name(self.s.release))
             assert self.lane is not None
             await scheduler.declare(conn, self.s.registry)  # the app's periodic plays
-            self.procrastinate_id = await runs.register_worker(
+            self.producer.procrastinate_id = await runs.register_worker(
                 conn,
                 worker_id=self.s.worker_id,
                 lanes=self.lane_names,
@@ -362,7 +372,7 @@ class Worker:
         listening = self.listen_url is not None
         assert self.pool is not None and self.peers is not None
         peers = self.peers
-        self._claiming = asyncio.create_task(self._claim_loop(), name="claim")
+        self._claiming = asyncio.create_task(self.producer.run(), name="claim")
         tasks = [
             self._claiming,
             asyncio.create_task(self.completer.run(), name="finish"),
@@ -395,7 +405,7 @@ class Worker:
                 downtime=self.downtime,
                 on_listening=self.wake.set,  # anything spawned while it was not listening
                 on_control=self.control.heard,
-                on_wake=self._on_wake,
+                on_wake=self.producer.on_wake,
             )
             tasks.append(asyncio.create_task(notifier.run(), name="listen"))
         if self.s.ready_file is not None:
@@ -434,7 +444,7 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
         # Wakes being passed on and a cancel lookup: within the stop's bound, then dropped.
         checking = self.control.checking
-        pending = [*self._passing, *([checking] if checking is not None else [])]
+        pending = [*self.producer.passing, *([checking] if checking is not None else [])]
         await _settle(pending, self._stop_left())
         assert self.pool is not None
         left = self._stop_left()
@@ -494,10 +504,12 @@ class Worker:
         # And so does one the LISTEN loop made for a wake (no claim starts now), within
         # the same bound.
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self._stop_left()), self._claim_lock:
+            async with asyncio.timeout(self._stop_left()), self.producer.claim_lock:
                 pass
         # Out of the set of waiting workers: spawns wake the others from now on.
-        await _settle([asyncio.ensure_future(self._pass_on(leaving=True))], self._stop_left())
+        await _settle(
+            [asyncio.ensure_future(self.producer.pass_on(leaving=True))], self._stop_left()
+        )
         ahead, self.slots.ahead = list(self.slots.ahead), deque()
         await _settle(self._hand_back(ahead, "claimed_ahead_handed_back"), self._stop_left())
         while self.slots.live and time.monotonic() < self._grace_end:
@@ -536,43 +548,6 @@ class Worker:
 
     # ---- loops --------------------------------------------------------------------------
 
-    async def _on_wake(self, targeted: bool) -> None:
-        """A job's wake, heard by the LISTEN session (``targeted``: on this worker's own
-        channel, chosen as a waiting worker): claimed here when the claim loop waits for
-        work (:meth:`_claim_woken`), else the claim loop is woken. A targeted wake with no
-        room is passed on (also when the claim under way fills the slots: _claim_loop)."""
-        if targeted:
-            self.targeted = True
-            if self.stopping.is_set() or self.slots.room() <= 0:
-                passing = asyncio.create_task(self._pass_on())
-                self._passing.add(passing)
-                passing.add_done_callback(self._passing.discard)
-        if not await self._claim_woken():
-            self.wake.set()
-
-    async def _claim_woken(self) -> bool:
-        """Claim for a wake right here, in the LISTEN loop's turn that read it, when the
-        claim loop is waiting for work: the claim goes out before anything else the
-        event loop has ready (a hop to the claim loop's task queued it behind them).
-        False: the claim loop is busy or there is no room; it is woken instead."""
-        if not self._idle or self._claim_lock.locked() or self.slots.room() <= 0:
-            return False
-        try:
-            got, want = await self._claim()
-        except TRANSIENT as exc:
-            log.warning("claim_on_wake_failed", error=repr(exc)[:300])
-            return False  # the claim loop claims, and accounts for the outage
-        self.stats["claims_on_wake"] += bool(want)
-        if want and got >= want:
-            self.wake.set()  # it took all it asked for: the claim loop looks for more
-        elif self._poll is not None and not self._poll.expired():
-            # A claim has just looked: the claim loop's next poll is a period from now, as
-            # after a claim of its own (else an idle worker woken in turns polled in vain).
-            # A poll that came due during this claim is already cancelling the claim loop's
-            # wait and can no longer be moved (asyncio raises): that loop claims next.
-            self._poll.reschedule(asyncio.get_running_loop().time() + self.s.poll_s)
-        return True
-
     async def _maintenance_loop(self) -> None:
         """Serve the recovery pass as procrastinate's periodic task (one per tick however
         many workers run); restarted after a failure, never fatal to the worker."""
@@ -592,6 +567,11 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stopping.wait(), 5.0)
 
+    def _track(self, run_id: uuid.UUID, attempt: int) -> None:
+        """Renew this lease from now on (a claimed run is leased from its claim)."""
+        assert self.heartbeat is not None
+        self.heartbeat.track(run_id, attempt)
+
     def _count_control_check(self) -> None:
         self.stats["control_checks"] += 1
 
@@ -605,124 +585,6 @@ class Worker:
         if reason == "lease_lost" and self.heartbeat is not None:
             self.heartbeat.untrack(live.claimed.run_id)
         live.task.cancel()
-
-    async def _claim_loop(self) -> None:
-        assert self.pool is not None and self.s.concurrency is not None
-        self._plays = sorted(self.s.registry.names())
-        outage = Outage("claim", self.downtime)
-        while not self.stopping.is_set():
-            # Cleared before the slots are counted, so a slot freed from here on (also
-            # during the pass-on's round trip) is seen by the wait below, never lost.
-            self.capacity.clear()
-            want = self.slots.room()
-            if want <= 0:
-                # Woken as a waiting worker after the claim that filled the slots began:
-                # another worker takes the job (migration 0032).
-                await self._pass_on()
-                await self.capacity.wait()
-                continue
-            try:
-                got, want = await self._claim()
-            except TRANSIENT as exc:
-                await outage.failed(exc)
-                continue
-            outage.ok()
-            if got < want and not self.stopping.is_set():
-                # Waiting for work. A wake that comes now is claimed in the LISTEN
-                # session's turn that read it (_on_wake); this loop claims again at the
-                # next poll, or when woken for anything else.
-                self._idle = True
-                try:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.s.poll_s) as self._poll:
-                            await self.wake.wait()
-                finally:
-                    self._idle = False
-                    self._poll = None
-
-    async def _claim(self) -> tuple[int, int]:
-        """One claim of what there is room for (:meth:`Slots.room`, counted once the claim
-        before it has landed); starts what fits in the free slots and keeps the rest
-        claimed ahead. Claims are one at a time: the claim loop's, or the LISTEN loop's
-        for a wake that came while the claim loop was waiting (:meth:`_claim_woken`).
-        Returns how many runs it took and how many it asked for."""
-        assert self.pool is not None
-        async with self._claim_lock:
-            want = self.slots.room()
-            if want <= 0 or self.stopping.is_set():
-                return 0, 0
-            self.wake.clear()
-            self.targeted = False  # this claim sees every job whose wake came before it
-            async with self.pool.connection() as conn:
-                claimed = await runs.claim(
-                    conn,
-                    lanes=self.lane_names,
-                    worker_id=self.s.worker_id,
-                    limit=want,
-                    plays=self._plays,
-                    procrastinate_worker=self.procrastinate_id,
-                )
-            self.stats["claims"] += 1
-            self.stats["claims_empty"] += not claimed
-            got = 0
-            for c in claimed:
-                if c.claimed:
-                    assert self.heartbeat is not None and c.attempt is not None
-                    self.heartbeat.track(c.run_id, c.attempt)  # leased from its claim
-                    self.slots.ahead.append(c)
-                    got += 1
-                else:
-                    self.stats["dropped"] += 1
-                    log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
-            self._fill()
-            if self.slots.ahead and not self.s.prefetch:
-                # Claimed ahead for short plays: those still waiting when the hold ends go
-                # back to the lane, where another worker may take them.
-                asyncio.get_running_loop().call_later(
-                    self.s.claim_ahead_under_s * AHEAD_HOLD_FACTOR,
-                    self._expire_ahead,
-                    {c.run_id for c in self.slots.ahead},
-                )
-            return got, want
-
-    async def _pass_on(self, *, leaving: bool = False) -> None:
-        """Pass a wake meant for this worker alone on to the lanes' other claimers, when it
-        came with no room left (or while stopping): the spawn woke no one else. The worker
-        leaves the set of waiting workers first (also when ``leaving``: it is stopping), so
-        the wake cannot come back to it."""
-        targeted, self.targeted = self.targeted, False
-        if not (targeted or leaving) or self.pool is None:
-            return
-        try:
-            async with self.pool.connection() as conn:
-                await runs.stop_waiting(conn, self.s.worker_id)
-                if targeted:
-                    self.stats["wakes_passed_on"] += 1
-                    await transport.wake(conn, self.lane_names)
-        except TRANSIENT as exc:  # the others' polls take the job
-            log.warning("wake_pass_on_failed", error=repr(exc)[:300])
-
-    def _expire_ahead(self, run_ids: set[uuid.UUID]) -> None:
-        """Hand back the runs claimed ahead for short plays that still wait for a slot after
-        the hold: plays turned long, and another worker may start them now. Their final
-        writes are queued here, synchronously, so the drain's last flush carries any that
-        a stop overtakes."""
-        stale = [c for c in self.slots.ahead if c.run_id in run_ids]
-        if not stale or self.stopping.is_set():
-            return  # started, dropped, or the drain hands them back
-        for c in stale:
-            self.slots.ahead.remove(c)
-        self.slots.short_streak = 0  # the slots stopped turning over: claim only for free ones
-        self.stats["ahead_expired"] += len(stale)
-        for future in self._hand_back(stale, "claimed_ahead_expired"):
-            future.add_done_callback(_retrieved)
-
-    def _fill(self) -> None:
-        """Start runs claimed ahead while slots are free; once stopping, none (they are
-        handed back)."""
-        assert self.s.concurrency is not None
-        while self.slots.ahead and not self.stopping.is_set() and self.slots.free():
-            self._start(self.slots.ahead.popleft())
 
     def _hand_back(
         self, ahead: list[runs.Claimed], event: str
@@ -781,7 +643,7 @@ class Worker:
 
         def written(future: asyncio.Future[FinishStatus]) -> None:
             heartbeat.untrack(c.run_id)
-            _retrieved(future)
+            retrieved(future)
 
         self.completer.queue(outcomes.row_invalid(c.run_id, c.attempt, problem)).add_done_callback(
             written
@@ -837,7 +699,7 @@ class Worker:
                     self.slots.returned -= 1
                 if live is not None and live.timer is not None:
                     live.timer.cancel()
-                self._fill()  # the next run claimed ahead takes the slot at once
+                self.producer.fill()  # the next run claimed ahead takes the slot at once
                 self.capacity.set()
             # A slot is free. On a lane that caps the runs per org (wq_lanes.org_concurrency)
             # a claim that came back short because an org was at its cap may now fill:
@@ -868,7 +730,7 @@ class Worker:
             # write goes out with the finish loop's next batch, and its held connection
             # goes back to the pool first.
             await transport.aclose()
-            self._fill()
+            self.producer.fill()
             self.capacity.set()
         assert self.pool is not None
         final, status = await attempt.settle(
@@ -976,13 +838,6 @@ class Worker:
         ]
 
 
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    """Mark a hand-back's outcome seen: nobody waits for it, and a refusal or a lost
-    database is already the fence's and the outage's business."""
-    if not future.cancelled():
-        future.exception()
-
-
 async def _settle(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:
     """Wait for ``futures`` at most ``timeout`` seconds; cancel those still pending (the
     stop does not wait for them: worker.Worker._drain), and mark every outcome seen."""
@@ -998,7 +853,7 @@ async def _settle(futures: Iterable[asyncio.Future[Any]], timeout: float) -> Non
         await asyncio.wait(pending, timeout=1.0)
     for future in futures:
         if future.done():
-            _retrieved(future)
+            retrieved(future)
 
 
 async def serve(settings: Settings) -> int:

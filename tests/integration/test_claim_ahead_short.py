@@ -79,7 +79,7 @@ class HoldGate:
     def __init__(self, worker: Worker) -> None:
         self.opened = asyncio.Event()
         self.waiting: set[asyncio.Task[None]] = set()
-        end_of_hold = worker._expire_ahead
+        end_of_hold = worker.producer.expire_ahead
 
         def held(run_ids: set[uuid.UUID]) -> None:
             async def at_the_gate() -> None:
@@ -90,7 +90,7 @@ class HoldGate:
             self.waiting.add(task)
             task.add_done_callback(self.waiting.discard)
 
-        worker._expire_ahead = held  # type: ignore[method-assign]
+        worker.producer.expire_ahead = held  # type: ignore[method-assign]
 
     def open(self) -> None:
         self.opened.set()

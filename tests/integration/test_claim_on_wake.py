@@ -71,7 +71,7 @@ async def _attempts(url: str, run_id: uuid.UUID) -> int:
 async def _quiet(w: Worker) -> bool:
     """Whether the claim loop waits for work with no wake pending and no claim under way:
     a wake now is claimed by the LISTEN loop."""
-    return w._idle and not w.wake.is_set() and not w._claim_lock.locked()
+    return w.producer.idle and not w.wake.is_set() and not w.producer.claim_lock.locked()
 
 
 async def settled(url: str, w: Worker) -> None:
@@ -140,12 +140,12 @@ async def test_a_poll_due_during_a_claim_on_wake_does_not_stop_the_listen_loop(
         async def looked() -> tuple[int, int]:
             return 0, 1  # a claim that found nothing
 
-        real_poll, real_claim = w._poll, w._claim
-        w._poll, w._claim = poll, looked  # type: ignore[method-assign]
+        real_poll, real_claim = w.producer.poll, w.producer.claim
+        w.producer.poll, w.producer.claim = poll, looked  # type: ignore[method-assign]
         try:
-            assert await w._claim_woken()
+            assert await w.producer.claim_woken()
         finally:
-            w._poll, w._claim = real_poll, real_claim  # type: ignore[method-assign]
+            w.producer.poll, w.producer.claim = real_poll, real_claim  # type: ignore[method-assign]
         with contextlib.suppress(TimeoutError):
             await parked
         # The worker still claims on wake.
@@ -171,17 +171,17 @@ def record_claims(w: Worker) -> list[Claim]:
     """The claims ``w`` makes from now on, in the order they end (claims are one at a
     time, so that is also the order they begin)."""
     made: list[Claim] = []
-    original = w._claim
+    original = w.producer.claim
 
     async def claim() -> tuple[int, int]:
         clock = asyncio.get_running_loop().time
-        on_wake, woken, began = w._idle, w.wake.is_set(), clock()
+        on_wake, woken, began = w.producer.idle, w.wake.is_set(), clock()
         got, want = await original()
         if want:
             made.append(Claim(on_wake, woken, began, clock(), got, want))
         return got, want
 
-    w._claim = claim  # type: ignore[method-assign]
+    w.producer.claim = claim  # type: ignore[method-assign]
     return made
 
 
@@ -385,7 +385,7 @@ async def test_a_slot_freed_while_a_wake_is_passed_on_is_seen(
             await real(conn, worker_id)
 
         monkeypatch.setattr(runs, "stop_waiting", stop_waiting)
-        w.targeted = True  # a wake for this worker alone came, with no room for it
+        w.producer.targeted = True  # a wake for this worker alone came, with no room for it
         w.capacity.set()  # the claim loop looks again: no room, so it passes the wake on
         after = await submit(db_url, "echo", release=RELEASE)
         await eventually(functools.partial(_succeeded, db_url, after), timeout=10)

@@ -26,6 +26,7 @@ from worker import (
     db,
     gateway,
     metrics_http,
+    producer,
     projector,
     runtime,
     slots,
@@ -138,7 +139,7 @@ def _wait_for_schema(url: str, timeout_s: float) -> None:
     envvar="WORKER_CLAIM_AHEAD_UNDER",
     help="With --prefetch 0: while plays return within this duration, also claim up to "
     f"{slots.AHEAD_PER_SLOT} times --concurrency runs ahead; one waiting over "
-    f"{runtime.AHEAD_HOLD_FACTOR} times this goes back to the lane "
+    f"{producer.AHEAD_HOLD_FACTOR} times this goes back to the lane "
     "($WORKER_CLAIM_AHEAD_UNDER; 0: never). docs/explanation/execution.md.",
 )
 @click.option(
