@@ -195,7 +195,7 @@ class Worker:
             worker_id=settings.worker_id,
             slots=self.slots,
             stopping=self.stopping,
-            cancel=lambda live: self._stop_run(live, "cancel"),
+            cancel=lambda live: self.stop_attempt(live, "cancel"),
             checked=self._count_control_check,
         )
         self._grace_end = 0.0  # when a stop's grace ends (_drain)
@@ -256,8 +256,8 @@ class Worker:
             ttl_s=self.lane.lease_ttl_s,
             step_lease_s=STEP_LEASE_S,
             loop=asyncio.get_running_loop(),
-            on_beat=self._on_beat,
-            on_silence=self._on_silence,
+            on_beat=self.on_beat,
+            on_silence=self.on_silence,
             describe=self._describe,
             connect_kwargs=self._connect_kwargs("heartbeat"),
         )
@@ -575,7 +575,10 @@ class Worker:
     def _count_control_check(self) -> None:
         self.stats["control_checks"] += 1
 
-    def _stop_run(self, live: Live, reason: str) -> None:
+    def stop_attempt(self, live: Live, reason: str) -> None:
+        """Stop a live attempt (``cancel``, ``timeout``, ``lease_lost``, ``handback``): its
+        task is cancelled and the executor decides its end by the reason. An attempt whose
+        play is done is left to its fenced final write."""
         if live.finishing:
             if reason == "lease_lost":
                 live.stop_reason = reason  # stop renewing; the final write is fenced anyway
@@ -665,7 +668,7 @@ class Worker:
         live = self.slots.live.get(run_id)
         if live is not None and live.claimed.attempt == attempt_no and live.stop_reason is None:
             log.warning("run_timed_out", run_id=str(run_id), attempt=attempt_no)
-            self._stop_run(live, "timeout")
+            self.stop_attempt(live, "timeout")
 
     async def _execute(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
         """One attempt; whatever happens, its slot and its connection are freed and the
@@ -786,7 +789,11 @@ class Worker:
 
     # ---- heartbeat callbacks (run on this loop, posted by the heartbeat thread) -----------
 
-    def _on_beat(self, beat: Beat) -> None:
+    def on_beat(self, beat: Beat) -> None:
+        """The heartbeat's answer (posted to this loop by its thread): the leases renewed of
+        those it sent. A live attempt whose lease was not renewed is lost, one whose run has
+        a cancel request is stopped for it; a run claimed ahead whose lease lapsed is
+        dropped."""
         kept = {r.run_id: r for r in beat.renewed}
         lapsed_ahead = {run_id for run_id, attempt_no in beat.sent if run_id not in kept} & {
             c.run_id for c in self.slots.ahead
@@ -801,9 +808,9 @@ class Worker:
             if renewal is None:
                 self._lose([live])
             elif renewal.cancel and live.stop_reason is None:
-                self._stop_run(live, "cancel")
+                self.stop_attempt(live, "cancel")
 
-    def _on_silence(self, silent_s: float) -> None:
+    def on_silence(self, silent_s: float) -> None:
         # The watchdog: without renewals past the TTL our leases are gone.
         log.warning("heartbeat_silent_past_ttl", silent_s=round(silent_s, 1))
         self._drop_ahead({c.run_id for c in self.slots.ahead})
@@ -828,7 +835,7 @@ class Worker:
                 log.warning(
                     "lease_lost", run_id=str(live.claimed.run_id), attempt=live.claimed.attempt
                 )
-            self._stop_run(live, "lease_lost")
+            self.stop_attempt(live, "lease_lost")
 
     def _describe(self) -> list[dict[str, Any]]:
         """The attempts running now (read from the heartbeat thread for lag reports)."""
