@@ -36,6 +36,8 @@ log = structlog.get_logger("worker.producer")
 
 # A run claimed ahead for short plays waits for a slot at most this many times the bound.
 AHEAD_HOLD_FACTOR = 20
+# A listening worker's first claim waits this long at most for its liveness lock.
+FIRST_CLAIM_WAIT_S = 5.0
 
 
 def retrieved(future: asyncio.Future[Any]) -> None:
@@ -124,7 +126,17 @@ class Producer:
             self.poll.reschedule(asyncio.get_running_loop().time() + self._poll_s)
         return True
 
-    async def run(self) -> None:
+    async def run(self, *, after: asyncio.Event | None = None) -> None:
+        """The claim loop, until the worker stops. With ``after`` (the worker listens: its
+        LISTEN session holds its liveness lock), the first claim waits for it, at most
+        :data:`FIRST_CLAIM_WAIT_S`: a worker killed right after its first claim is then
+        known gone at once and its runs rescued within seconds (worker.peers), not when
+        their leases lapse. Past the bound (a LISTEN session that cannot start) it claims
+        on polls all the same."""
+        if after is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FIRST_CLAIM_WAIT_S):
+                    await after.wait()
         outage = Outage("claim", self._downtime)
         while not self._stopping.is_set():
             # Cleared before the slots are counted, so a slot freed from here on (also

@@ -372,7 +372,8 @@ class Worker:
         listening = self.listen_url is not None
         assert self.pool is not None and self.peers is not None
         peers = self.peers
-        self._claiming = asyncio.create_task(self.producer.run(), name="claim")
+        listened = asyncio.Event() if listening else None  # the liveness lock is held
+        self._claiming = asyncio.create_task(self.producer.run(after=listened), name="claim")
         tasks = [
             self._claiming,
             asyncio.create_task(self.completer.run(), name="finish"),
@@ -397,13 +398,13 @@ class Worker:
             ),
         ]
         if listening:
-            assert self.listen_url is not None
+            assert self.listen_url is not None and listened is not None
             notifier = Notifier(
                 self.listen_url,
                 lanes=self.lane_names,
                 worker_id=self.s.worker_id,
                 downtime=self.downtime,
-                on_listening=self.wake.set,  # anything spawned while it was not listening
+                on_listening=functools.partial(_listening, listened, self.wake),
                 on_control=self.control.heard,
                 on_wake=self.producer.on_wake,
             )
@@ -843,6 +844,13 @@ class Worker:
             {"run_id": str(run_id), "play": live.claimed.play, "step": live.ctx.current_step}
             for run_id, live in list(self.slots.live.items())
         ]
+
+
+def _listening(listened: asyncio.Event, wake: asyncio.Event) -> None:
+    """The LISTEN session holds the liveness lock and listens: claims may begin, and
+    anything spawned while it was not listening is looked for now."""
+    listened.set()
+    wake.set()
 
 
 async def _settle(futures: Iterable[asyncio.Future[Any]], timeout: float) -> None:

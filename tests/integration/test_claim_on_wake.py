@@ -389,3 +389,31 @@ async def test_a_slot_freed_while_a_wake_is_passed_on_is_seen(
         w.capacity.set()  # the claim loop looks again: no room, so it passes the wake on
         after = await submit(db_url, "echo", release=RELEASE)
         await eventually(functools.partial(_succeeded, db_url, after), timeout=10)
+
+
+async def test_a_listening_worker_claims_once_it_holds_its_liveness_lock(
+    db_url: str, monkeypatch: Any
+) -> None:
+    """Its LISTEN session holds the worker's liveness lock; a worker killed before it took
+    the lock is not known gone, so runs it had claimed waited for their leases to lapse.
+    The first claim now waits for the lock: however long the session takes to get it (here
+    up to 2 s, a claim given every chance to go first), no run is claimed before."""
+    async with connect(db_url) as conn:
+        await lanes.prepare(conn, RELEASE)
+    queued = await submit(db_url, "echo", release=RELEASE)
+    real = runs.hold_liveness
+    attempts_before_lock: list[int] = []
+
+    async def hold_liveness(conn: Any, worker_id: str) -> str:
+        async def claimed() -> bool:
+            return await _attempts(db_url, queued) > 0
+
+        with contextlib.suppress(AssertionError):
+            await eventually(claimed, timeout=2)
+        attempts_before_lock.append(await _attempts(db_url, queued))
+        return await real(conn, worker_id)
+
+    monkeypatch.setattr(runs, "hold_liveness", hold_liveness)
+    async with worker(db_url):
+        await eventually(functools.partial(_succeeded, db_url, queued), timeout=10)
+    assert attempts_before_lock[:1] == [0]
