@@ -46,16 +46,15 @@ import psycopg
 import structlog
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from queues import authority, lanes, migrations, outcomes, runs, server
+from queues import lanes, migrations, outcomes, runs, server
 from queues.errors import DatabaseLost, WorkerError
 from queues.outcomes import FinishStatus
 from worker import (
-    attempt,
     connections,
     db,
+    executor,
     files,
     gateway,
-    instruments,
     projector,
     recovery,
     sandbox,
@@ -64,9 +63,10 @@ from worker import (
 )
 from worker.completer import BatchCompleter
 from worker.config import PoolMode, pool_mode
-from worker.context import STEP_LEASE_S, RunContext, RunInfo
-from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
+from worker.context import STEP_LEASE_S
+from worker.contract import PoolCheck
 from worker.control import CancelChecks
+from worker.executor import Executor
 from worker.gateway import Served
 from worker.heartbeat import Beat, Heartbeat
 from worker.notifier import Notifier
@@ -173,7 +173,7 @@ class Worker:
         # One LISTEN session: the listen URL, else the database URL when it is a session.
         self.listen_url = settings.listen_url or (settings.url if db.listens(self.mode) else None)
         self.budget: connections.Budget | None = None
-        self.transports: set[LocalTransport] = set()  # of attempts not closed yet
+        self.executor: Executor | None = None  # made in _serve: it needs the pool and gateway
         self.stats = {
             "claimed": 0,
             "succeeded": 0,
@@ -372,6 +372,27 @@ class Worker:
         listening = self.listen_url is not None
         assert self.pool is not None and self.peers is not None
         peers = self.peers
+        assert self.heartbeat is not None and self.budget is not None
+        self.executor = Executor(
+            pool=self.pool,
+            pool_check=self.pool_check,
+            # An attempt keeps its connection between calls when the pool has one for every
+            # attempt besides the worker's loops (not under a tighter max_connections).
+            hold=self.budget.pool >= (self.s.concurrency or 0) + connections.POOL_EXTRA,
+            heartbeat=self.heartbeat,
+            completer=self.completer,
+            slots=self.slots,
+            stats=self.stats,
+            registry=self.s.registry,
+            worker_id=self.s.worker_id,
+            max_outage_s=self.s.max_outage_s,
+            token_secret=self.s.token_secret,
+            token_ttl_s=self.s.token_ttl_s,
+            gateway_url=self.gateway_url,
+            sandboxes=self.sandboxes,
+            freed=self._freed,
+            org_capped=self.wake.set,
+        )
         listened = asyncio.Event() if listening else None  # the liveness lock is held
         self._claiming = asyncio.create_task(self.producer.run(after=listened), name="claim")
         tasks = [
@@ -535,10 +556,11 @@ class Worker:
                     task.cancel()
                 await asyncio.wait(pending, timeout=1.0)
         # Whatever way an attempt ended, its held connection is back before the pool closes.
-        for held in list(self.transports):
+        transports = self.executor.transports if self.executor is not None else set()
+        for held in list(transports):
             with contextlib.suppress(Exception):
                 await held.aclose()
-        self.transports.clear()
+        transports.clear()
         await _settle([asyncio.ensure_future(self.completer.flush())], self._stop_left())
 
     def _stop_left(self) -> float:
@@ -577,18 +599,19 @@ class Worker:
         self.stats["control_checks"] += 1
 
     def stop_attempt(self, live: Live, reason: str) -> None:
-        """Stop a live attempt (``cancel``, ``timeout``, ``lease_lost``, ``handback``): its
-        task is cancelled and the executor decides its end by the reason. An attempt whose
-        play is done is left to its fenced final write."""
-        if live.finishing:
-            if reason == "lease_lost":
-                live.stop_reason = reason  # stop renewing; the final write is fenced anyway
-            return  # the play is done; its fenced final write decides
-        live.stop_reason = reason
-        live.ctx.cancel_requested = reason == "cancel"
-        if reason == "lease_lost" and self.heartbeat is not None:
-            self.heartbeat.untrack(live.claimed.run_id)
-        live.task.cancel()
+        """Stop a live attempt (``cancel``, ``timeout``, ``lease_lost``, ``handback``):
+        :func:`worker.executor.stop`."""
+        untrack = self.heartbeat.untrack if self.heartbeat is not None else None
+        executor.stop(live, reason, untrack=untrack)
+
+    def _start(self, c: runs.Claimed) -> None:
+        assert self.executor is not None
+        self.executor.start(c)
+
+    def _freed(self) -> None:
+        """A slot is free: the next run claimed ahead takes it, and the claim loop looks."""
+        self.producer.fill()
+        self.capacity.set()
 
     def _hand_back(
         self, ahead: list[runs.Claimed], event: str
@@ -602,187 +625,6 @@ class Worker:
             self.heartbeat.untrack(c.run_id)
         log.info(event, count=len(ahead))
         return [self.completer.queue(outcomes.handed_back(c.run_id, c.attempt or 0)) for c in ahead]
-
-    def _start(self, c: runs.Claimed) -> None:
-        assert self.pool is not None and self.heartbeat is not None
-        problem = runs.unusable(c)
-        if problem is not None:
-            self._fail_unusable(c, problem)
-            return
-        info = RunInfo.of_claim(c, self.s.worker_id)
-        transport = LocalTransport(
-            self.pool,
-            functools.partial(in_process_claims, c, self.s.worker_id),
-            # An attempt keeps its connection between calls when the pool has one for every
-            # attempt besides the worker's loops (not under a tighter max_connections).
-            hold=self.budget is not None
-            and self.budget.pool >= (self.s.concurrency or 0) + connections.POOL_EXTRA,
-        )
-        # A blip (a lost connection) is absorbed inside the attempt: its repeatable calls
-        # are sent again until answered or the outage passes max_outage_s.
-        absorbing = Absorbing(
-            transport,
-            max_outage_s=self.s.max_outage_s,
-            on_absorbed=instruments.absorbed,
-            before_retry=self.pool_check,
-        )
-        ctx = RunContext(info, dict(c.params or {}), absorbing)
-        self.transports.add(transport)
-        self.stats["claimed"] += 1
-        self.heartbeat.track(c.run_id, info.attempt)
-        task = asyncio.create_task(self._execute(c, ctx, transport), name=f"run:{c.run_id}")
-        # A cleanup-only attempt is the cancel: the pending request its heartbeats report
-        # must not stop the hooks it runs.
-        self.slots.live[c.run_id] = Live(c, ctx, task, stop_reason="cancel" if c.cleanup else None)
-        self._arm_timeout(self.slots.live[c.run_id])
-
-    def _fail_unusable(self, c: runs.Claimed, problem: str) -> None:
-        """A claimed run whose row this worker cannot use (:func:`queues.runs.unusable`):
-        its play never runs; the run fails with ``RUN_ROW_INVALID`` through the fenced final
-        write (its lease renewed until it lands), and the worker goes on."""
-        assert self.heartbeat is not None and c.attempt is not None
-        log.error("run_row_invalid", run_id=str(c.run_id), attempt=c.attempt, problem=problem)
-        self.stats["row_invalid"] += 1
-        heartbeat = self.heartbeat
-
-        def written(future: asyncio.Future[FinishStatus]) -> None:
-            heartbeat.untrack(c.run_id)
-            retrieved(future)
-
-        self.completer.queue(outcomes.row_invalid(c.run_id, c.attempt, problem)).add_done_callback(
-            written
-        )
-
-    def _arm_timeout(self, live: Live) -> None:
-        """Stop the attempt at its run's timeout (queues.options), measured from the claim's
-        database time, so the worker's clock does not matter."""
-        c = live.claimed
-        claimed_at = c.claimed_at
-        if c.cleanup or c.timeout_at is None or claimed_at is None:
-            return
-        left = (c.timeout_at - claimed_at).total_seconds()
-        live.timer = asyncio.get_running_loop().call_later(
-            max(0.0, left), self._time_out, c.run_id, c.attempt
-        )
-
-    def _time_out(self, run_id: uuid.UUID, attempt_no: int | None) -> None:
-        live = self.slots.live.get(run_id)
-        if live is not None and live.claimed.attempt == attempt_no and live.stop_reason is None:
-            log.warning("run_timed_out", run_id=str(run_id), attempt=attempt_no)
-            self.stop_attempt(live, "timeout")
-
-    async def _execute(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
-        """One attempt; whatever happens, its slot and its connection are freed and the
-        worker can drain."""
-        try:
-            await self._attempt(c, ctx, transport)
-        except asyncio.CancelledError:
-            # Stopped while its cleanup hooks ran (its lease was lost): nothing is written.
-            log.warning(
-                "attempt_finished",
-                run_id=str(c.run_id),
-                attempt=c.attempt,
-                play=c.play,
-                outcome=str(outcomes.Outcome.SUPERSEDED),
-                final_write="none",
-                stopped_in="cleanup",
-            )
-            raise
-        except Exception as exc:  # the final write itself failed (the database is gone)
-            log.error("attempt_final_write_failed", run_id=str(c.run_id), error=repr(exc)[:300])
-        finally:
-            try:
-                with contextlib.suppress(Exception):  # the pool checks what it gets back
-                    await transport.aclose()
-                self.transports.discard(transport)
-            finally:  # also when a cancel arrives during the close
-                if self.heartbeat is not None:
-                    self.heartbeat.untrack(c.run_id)
-                live = self.slots.live.pop(c.run_id, None)
-                if live is not None and live.finishing:
-                    self.slots.returned -= 1
-                if live is not None and live.timer is not None:
-                    live.timer.cancel()
-                self.producer.fill()  # the next run claimed ahead takes the slot at once
-                self.capacity.set()
-            # A slot is free. On a lane that caps the runs per org (wq_lanes.org_concurrency)
-            # a claim that came back short because an org was at its cap may now fill:
-            # claim again now, not at the next poll. Elsewhere a new job is announced by its
-            # spawn (migration 0032), and a claim now would find nothing (one per run at
-            # low load).
-            if c.org_capped:
-                self.wake.set()
-
-    def _stop_reason(self, run_id: uuid.UUID) -> str | None:
-        live = self.slots.live.get(run_id)
-        return live.stop_reason if live is not None else "handback"
-
-    async def _attempt(self, c: runs.Claimed, ctx: RunContext, transport: LocalTransport) -> None:
-        structlog.contextvars.bind_contextvars(run_id=str(c.run_id), attempt=c.attempt, lane=c.lane)
-        started = time.perf_counter()
-        play = self.s.registry.get(c.play or "")
-        spec = self._sandbox_spec(c) if play is not None and play.sandboxed else None
-        ended = await attempt.run(
-            c, ctx, play, stop_reason=lambda: self._stop_reason(c.run_id), sandbox_spec=spec
-        )
-        self.slots.played(time.perf_counter() - started)
-        live = self.slots.live.get(c.run_id)
-        if live is not None:
-            live.finishing = True  # a hand-back must not interrupt the final write
-            self.slots.returned += 1
-            # Batched completion: the play has returned, so its slot is free; its final
-            # write goes out with the finish loop's next batch, and its held connection
-            # goes back to the pool first.
-            await transport.aclose()
-            self.producer.fill()
-            self.capacity.set()
-        assert self.pool is not None
-        final, status = await attempt.settle(
-            c, ctx, play, ended, write=self.completer.write, connection=self.pool.connection
-        )
-        applied = status is not None and status.applied
-        outcome = final.outcome if final is not None and applied else outcomes.Outcome.SUPERSEDED
-        if not applied:
-            self.stats["stale"] += 1
-        elif final is not None and final.state in (outcomes.RunState.SUCCEEDED,):
-            self.stats["succeeded"] += 1
-        elif final is not None and final.state == outcomes.RunState.FAILED:
-            self.stats["failed"] += 1
-        elif final is not None and final.outcome is outcomes.Outcome.INTERRUPTED:
-            self.stats["interrupted"] += 1
-        log.info(
-            "attempt_finished",
-            play=c.play,
-            cleanup=bool(c.cleanup),
-            outcome=str(outcome),
-            run_state=str(final.state) if final is not None and applied else None,
-            final_write=str(status) if status is not None else "none",
-            duration_ms=round((time.perf_counter() - started) * 1000, 3),
-        )
-
-    def _sandbox_spec(self, c: runs.Claimed) -> attempt.SandboxSpec:
-        """A sandboxed attempt's two tokens, minted from its run's authority."""
-        assert c.attempt is not None and self.s.token_secret is not None
-        assert self.gateway_url is not None and self.s.registry.spec is not None
-        assert self.sandboxes is not None
-        play = self.s.registry.get(c.play or "")
-        tokens = authority.mint_attempt(
-            c.descriptor,
-            attempt=c.attempt,
-            owner=self.s.worker_id,
-            secret=self.s.token_secret,
-            ttl_s=self.s.token_ttl_s,
-            # Least authority: only the plays and rate-limit keys the play declared.
-            may_spawn=play.may_spawn if play is not None else (),
-            may_limit=play.limits if play is not None else (),
-        )
-        return attempt.SandboxSpec(
-            self.s.registry.spec,
-            self.gateway_url,
-            tokens,
-            self.sandboxes,
-            max_outage_s=self.s.max_outage_s,
-        )
 
     def _connection(self) -> contextlib.AbstractAsyncContextManager[Any]:
         assert self.pool is not None
