@@ -37,7 +37,7 @@ def claimed(**changes: Any) -> runs.Claimed:
         cleanup=False,
         lease_ttl_s=30.0,
         heartbeat_s=5.0,
-        retry_max_attempts=3,
+        retry_max_attempts=5,  # the lane's default
         retry_base_s=1.0,
         retry_cap_s=10.0,
         retry_jitter=0.0,

@@ -65,10 +65,13 @@ class Slots:
         self.returned = 0
         self.short_streak = 0
 
-    def taken(self) -> int:
+    def taken(self, prefetch: int | None = None) -> int:
         """Attempts holding a slot: those whose play has not returned, and those finishing
-        beyond ``concurrency + prefetch`` of them."""
-        return len(self.live) - min(self.returned, self.concurrency + self.prefetch())
+        beyond ``concurrency + prefetch`` of them (``prefetch``: :meth:`prefetch`, when the
+        caller has it already)."""
+        if prefetch is None:
+            prefetch = self.prefetch()
+        return len(self.live) - min(self.returned, self.concurrency + prefetch)
 
     def free(self) -> bool:
         """Whether a run claimed ahead may start now."""
@@ -95,9 +98,9 @@ class Slots:
         """How many runs the next claim asks for (0: none is due). Enough for the free
         slots; when claiming ahead, also the local queue's room, topped up in batches once
         it is down to half (not one claim per finished run)."""
-        free = self.concurrency - self.taken()
-        queued = len(self.ahead)
         prefetch = self.prefetch()
+        free = self.concurrency - self.taken(prefetch)
+        queued = len(self.ahead)
         if free > queued or (prefetch and queued <= prefetch // 2):
             return min(free + prefetch - queued, CLAIM_BATCH_MAX)
         return 0

@@ -109,7 +109,7 @@ async def run_play(
         idempotency_key=idempotency_key,
     )
     admission.validate(sub, frozenset(registry.names()))
-    async with _rolled_back(conn):
+    async with conn.transaction(force_rollback=True):
         await lanes.prepare(conn, release)
         admitted = await admission.submit(conn, sub, inputs=inputs)
         writes: list[FinishStatus] = []
@@ -131,12 +131,6 @@ async def run_play(
             sheets=detail.sheets,
             final_writes=writes,
         )
-
-
-@contextlib.asynccontextmanager
-async def _rolled_back(conn: Conn) -> AsyncIterator[None]:
-    async with conn.transaction(force_rollback=True):
-        yield
 
 
 async def _attempt(

@@ -88,7 +88,7 @@ def test_a_fatal_error_fails_at_once_and_another_is_retried_within_the_budget() 
     error = {"type": "X", "message": "m", "code": None}
     fatal = final(c, Raised(error, fatal=True, interrupted=False)).finish
     retried = final(c, Raised(error, fatal=False, interrupted=False)).finish
-    spent = final(claimed(failures=2), Raised(error, fatal=False, interrupted=False)).finish
+    spent = final(claimed(failures=4), Raised(error, fatal=False, interrupted=False)).finish
     assert fatal is not None and fatal.state is RunState.FAILED
     assert retried is not None and retried.state is RunState.QUEUED
-    assert spent is not None and spent.state is RunState.FAILED  # its third failure of three
+    assert spent is not None and spent.state is RunState.FAILED  # its fifth failure of five
