@@ -57,8 +57,6 @@ class Producer:
         worker_id: str,
         plays: Iterable[str],
         poll_s: float,
-        prefetch: int,
-        ahead_under_s: float,
         stopping: asyncio.Event,
         downtime: Downtime,
         stats: dict[str, int],
@@ -72,8 +70,6 @@ class Producer:
         self._worker_id = worker_id
         self._plays = sorted(plays)
         self._poll_s = poll_s
-        self._prefetch = prefetch
-        self._ahead_under_s = ahead_under_s
         self._stopping = stopping
         self._downtime = downtime
         self.stats = stats
@@ -202,11 +198,11 @@ class Producer:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             self.fill()
-            if self.slots.ahead and not self._prefetch:
+            if self.slots.ahead and not self.slots.prefetch_setting:
                 # Claimed ahead for short plays: those still waiting when the hold ends go
                 # back to the lane, where another worker may take them.
                 asyncio.get_running_loop().call_later(
-                    self._ahead_under_s * AHEAD_HOLD_FACTOR,
+                    self.slots.ahead_under_s * AHEAD_HOLD_FACTOR,
                     self.expire_ahead,
                     {c.run_id for c in self.slots.ahead},
                 )

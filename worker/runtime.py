@@ -212,8 +212,6 @@ class Worker:
             worker_id=settings.worker_id,
             plays=settings.registry.names(),
             poll_s=settings.poll_s,
-            prefetch=settings.prefetch,
-            ahead_under_s=settings.claim_ahead_under_s,
             stopping=self.stopping,
             downtime=self.downtime,
             stats=self.stats,
