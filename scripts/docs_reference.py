@@ -508,8 +508,8 @@ def _type_name(annotation: Any) -> str:
 
 
 def settings() -> str:
-    """``worker.runtime.Settings``: what one worker process runs with."""
-    from worker.runtime import Settings
+    """``worker.settings.Settings``: what one worker process runs with."""
+    from worker.settings import Settings
 
     hints = typing.get_type_hints(Settings)
     notes = comments_of(Settings)

@@ -254,3 +254,26 @@ async def _outlive_cancel(task: asyncio.Task[Any]) -> None:
         raise asyncio.CancelledError
     with contextlib.suppress(asyncio.CancelledError):  # the cancel it was asked to stop by
         task.result()  # its own failure goes on, as awaiting it would
+
+
+async def maintain(
+    url: str, stop_event: asyncio.Event, *, mode: PoolMode, owner: str, grace_s: float
+) -> None:
+    """A worker's maintenance service: the recovery pass served as procrastinate's
+    periodic task (one per tick however many workers run), restarted after a failure and
+    never fatal to the worker."""
+    while not stop_event.is_set():
+        try:
+            await run_periodic_worker(
+                url,
+                stop_event,
+                mode=mode,
+                owner=owner,
+                # Its stop (procrastinate unregisters its worker) waits for a pooled
+                # connection at most this long: within the grace, in an outage too.
+                pool_timeout_s=min(POOL_TIMEOUT_S, max(0.5, grace_s / 2)),
+            )
+        except Exception as exc:  # a maintenance failure must not stop execution
+            log.warning("maintenance_failed", error=repr(exc)[:300])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_event.wait(), 5.0)

@@ -153,13 +153,13 @@ def hold_final_writes(worker: Worker) -> asyncio.Event:
 def deaf_to_cancel(worker: Worker) -> None:
     """The worker never hears a cancel (a lost NOTIFY and a missed heartbeat flag): only
     the fenced final write can learn of it."""
-    original = worker.stop_attempt
+    original = worker.leases.stop
 
     def stop_run(live: Any, reason: str) -> None:
         if reason != "cancel":
             original(live, reason)
 
-    worker.stop_attempt = stop_run  # type: ignore[method-assign]
+    worker.leases.stop = stop_run  # type: ignore[method-assign]
 
 
 # ---- cancel is final ----------------------------------------------------------------------

@@ -53,8 +53,8 @@ async def test_a_missing_renewal_stops_a_running_play_and_quietly_ends_a_finishi
     worker.slots.live[kept] = other
     renewed = runs.Renewed(run_id=kept, attempt=1, lease_expires_at=None, cancel=False)  # type: ignore[arg-type]
     with capture_logs() as logs:
-        worker.on_beat(Beat(sent=((run_id, 1), (kept, 1)), renewed=(renewed,)))
-        worker.on_beat(Beat(sent=((run_id, 1),), renewed=()))  # a second miss: once only
+        worker.leases.on_beat(Beat(sent=((run_id, 1), (kept, 1)), renewed=(renewed,)))
+        worker.leases.on_beat(Beat(sent=((run_id, 1),), renewed=()))  # a second miss: once only
     await asyncio.sleep(0)
     assert live.stop_reason == "lease_lost"
     assert task.cancelled() is not finishing
