@@ -39,7 +39,8 @@ async def tx(conn: Conn) -> AsyncIterator[Conn]:
 
 async def counts(conn: Conn) -> dict[str, int]:
     found = {}
-    for table in ("wq_runs", "procrastinate_jobs", "wq_events", "wq_lanes", "wq_run_inputs"):
+    # wq_ledger: the events readers see, wq_events' rows and those the run row stands for.
+    for table in ("wq_runs", "procrastinate_jobs", "wq_ledger", "wq_lanes", "wq_run_inputs"):
         cur = await conn.execute(f"SELECT count(*) FROM {table}")
         row = await cur.fetchone()
         assert row is not None

@@ -572,7 +572,7 @@ async def test_retention_deletes_only_old_terminal_runs_and_jobs(conn: Conn) -> 
         {"ids": [old, old_failed, recent, unfinished]},
     )
     assert {r[0] for r in await cur.fetchall()} == {recent, unfinished}
-    for table in ("wq_attempts", "wq_events", "wq_run_inputs"):
+    for table in ("wq_attempts", "wq_events", "wq_ledger", "wq_run_inputs"):
         left = await one(
             conn,
             f"SELECT count(*) FROM {table} WHERE run_id = ANY (%(ids)s)",

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import limits, operations
+from queues import limits, operations, runs
 from queues.errors import StaleAttempt
 from tests.db.test_operations import claims_of
 
@@ -52,14 +52,8 @@ async def test_a_receipt_completed_or_failed_again_is_answered_as_the_first_time
         {},
     )
     # One step_failed in the ledger, not two.
-    assert (
-        await count(
-            conn,
-            "SELECT count(*) FROM wq_events WHERE run_id = %s AND kind = 'step_failed'",
-            claims.run_id,
-        )
-        == 1
-    )
+    ledger = await runs.events(conn, claims.run_id)
+    assert [e.kind for e in ledger].count("step_failed") == 1
 
 
 async def test_a_completion_with_another_result_is_still_refused(conn: Conn) -> None:

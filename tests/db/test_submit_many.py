@@ -32,7 +32,7 @@ async def counts(conn: Conn, lane: str) -> tuple[int, int, int]:
     cur = await conn.execute(
         "SELECT (SELECT count(*) FROM wq_runs WHERE lane = %(l)s),"
         " (SELECT count(*) FROM wq_transport_jobs() WHERE lane = %(l)s AND waiting),"
-        " (SELECT count(*) FROM wq_events e JOIN wq_runs r ON r.id = e.run_id"
+        " (SELECT count(*) FROM wq_ledger e JOIN wq_runs r ON r.id = e.run_id"
         "   WHERE r.lane = %(l)s AND e.kind = 'run_created')",
         {"l": lane},
     )
@@ -98,7 +98,7 @@ async def test_a_runs_first_event_is_seq_1_and_cannot_be_written_twice(tx: Conn)
     await lanes.prepare(tx, rel)
     admitted = await admission.submit_many(tx, [Submission(play="noop", release=rel)] * 3)
     cur = await tx.execute(
-        "SELECT kind, seq FROM wq_events WHERE run_id = ANY(%s)", ([a.run_id for a in admitted],)
+        "SELECT kind, seq FROM wq_ledger WHERE run_id = ANY(%s)", ([a.run_id for a in admitted],)
     )
     assert sorted(await cur.fetchall()) == [("run_created", 1)] * 3
     with pytest.raises(psycopg.errors.UniqueViolation):

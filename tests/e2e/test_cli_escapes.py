@@ -39,7 +39,7 @@ async def _run_a_play_wrote(url: str) -> str:
         )
         await conn.execute(
             "INSERT INTO wq_events (run_id, attempt, kind, seq)"
-            " SELECT %s, 1, %s, max(seq) + 1 FROM wq_events WHERE run_id = %s",
+            " SELECT %s, 1, %s, max(seq) + 1 FROM wq_ledger WHERE run_id = %s",
             (a.run_id, KIND, a.run_id),
         )
         return str(a.run_id)

@@ -16,7 +16,7 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
 from queues import lanes, outcomes, runs
-from tests import attempts
+from tests import attempts, ledgers
 from tests.e2e.test_cli_scheduler import REPO, WORKER, cli, cli_env, worker_process
 from tests.workers import fetch
 
@@ -106,13 +106,10 @@ async def test_runs_retry_and_show_with_its_traceback(db_url: str) -> None:
     assert again.code == 0 and "nothing to retry" in again.out
     bad = await cli(db_url, "runs", "retry", "not-a-run")
     assert bad.code == 2 and bad.err.startswith("error[FIELD_INVALID]")
-    events = await fetch(
-        db_url,
-        "SELECT data ->> 'by', data ->> 'reason' FROM wq_events WHERE run_id = %s "
-        "AND kind = 'run_retried'",
-        (run_id,),
-    )
-    assert events == [(f"cli:{getpass.getuser()}", "API fixed")]
+    events = await ledgers.events(db_url, run_id, "run_retried")
+    assert [(e.data["by"], e.data["reason"]) for e in events] == [
+        (f"cli:{getpass.getuser()}", "API fixed")
+    ]
 
 
 def _free_port() -> int:

@@ -145,7 +145,7 @@ async def worker_process(
 async def counts(conn: Conn) -> dict[str, int]:
     return {
         table: int(await value(conn, f"SELECT count(*) FROM {table}"))
-        for table in ("wq_runs", "procrastinate_jobs", "wq_events", "wq_lanes")
+        for table in ("wq_runs", "procrastinate_jobs", "wq_ledger", "wq_lanes")
     }
 
 
@@ -291,7 +291,7 @@ async def test_submit_of_an_unknown_play_exits_2_with_did_you_mean(db_url: str) 
         assert await counts(conn) == {
             "wq_runs": 0,
             "procrastinate_jobs": 0,
-            "wq_events": 0,
+            "wq_ledger": 0,
             "wq_lanes": 0,
         }
 
@@ -405,7 +405,7 @@ async def test_cli_input_errors_exit_2_with_a_code_and_write_nothing(
         assert await counts(conn) == {
             "wq_runs": 0,
             "procrastinate_jobs": 0,
-            "wq_events": 0,
+            "wq_ledger": 0,
             "wq_lanes": 0,
         }
     assert not failures, "\n".join(failures)

@@ -23,6 +23,7 @@ import psycopg
 from playwright.async_api import Dialog, Page, async_playwright
 
 from queues import admission, inputs, lanes, operator, policy
+from tests import ledgers
 from tests.dashboards import SECRET, serving
 from tests.workers import eventually, fetch, run_state, running_worker
 from worker.context import RunContext
@@ -170,12 +171,8 @@ async def _drive(
     await page.click("#retry-run")
     await page.wait_for_selector(".flash.notice")
     assert "requeued" in await page.inner_text(".flash.notice")
-    retried = await fetch(
-        url,
-        "SELECT data ->> 'by' FROM wq_events WHERE run_id = %s AND kind = 'run_retried'",
-        (broken,),
-    )
-    assert retried == [("dashboard:alice",)]
+    retried = await ledgers.events(url, broken, "run_retried")
+    assert [e.data["by"] for e in retried] == ["dashboard:alice"]
 
     # A live demo run: its progress, then a cancel from the page cancels it.
     await page.goto(f"{base}/runs/{live}")
@@ -187,13 +184,10 @@ async def _drive(
     assert await eventually(lambda: _state_in(url, live, "cancelled"), timeout=30)
     await page.wait_for_selector("h1 .state-cancelled", timeout=15_000)  # the live refresh
     assert any("Cancel this run" in message for message in dialogs)
-    cancelled = await fetch(
-        url,
-        "SELECT data ->> 'by', data ->> 'reason' FROM wq_events "
-        "WHERE run_id = %s AND kind = 'cancel_requested'",
-        (live,),
-    )
-    assert cancelled == [("dashboard:alice", "wrong list")]
+    cancelled = await ledgers.events(url, live, "cancel_requested")
+    assert [(e.data["by"], e.data["reason"]) for e in cancelled] == [
+        ("dashboard:alice", "wrong list")
+    ]
     await shot(page, "5-run-cancelled", taken)
 
     # Lanes: state, numbers, policy, the audit of what alice did.

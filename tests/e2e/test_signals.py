@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.workers import eventually, fetch, run_state, submit
+from tests import ledgers
+from tests.workers import eventually, run_state, submit
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(sys.executable).parent / "worker")
@@ -48,12 +49,7 @@ async def test_a_second_sigterm_exits_at_once(db_url: str, tmp_path: Path) -> No
         async def began() -> bool:
             # The play itself runs (a run is `running` from its claim: a stop that lands
             # before the claimed run starts hands it back at once).
-            rows = await fetch(
-                db_url,
-                "SELECT 1 FROM wq_events WHERE run_id = %s AND kind = 'play.began'",
-                (run_id,),
-            )
-            return bool(rows)
+            return bool(await ledgers.events(db_url, run_id, "play.began"))
 
         await eventually(began, timeout=30)
         assert await run_state(db_url, run_id) == "running"

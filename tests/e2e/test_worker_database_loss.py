@@ -127,7 +127,7 @@ async def busy_worker(url: str, count: int) -> None:
         await submit(url, "slow", {"seconds": 120}, release="t")
 
     async def began() -> bool:
-        rows = await fetch(url, "SELECT count(*) FROM wq_events WHERE kind = 'play.began'")
+        rows = await fetch(url, "SELECT count(*) FROM wq_ledger WHERE kind = 'play.began'")
         return bool(rows[0][0] >= count)
 
     await eventually(began, timeout=30)

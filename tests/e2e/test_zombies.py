@@ -412,7 +412,8 @@ async def snapshot(db: str | Conn, run_id: uuid.UUID) -> dict[str, list[tuple[An
         "FROM wq_receipts WHERE owner_run = %(id)s ORDER BY step_key",
         "attempts": "SELECT attempt, outcome::text, worker_id, error, finished_at "
         "FROM wq_attempts WHERE run_id = %(id)s ORDER BY attempt",
-        "events": "SELECT id, attempt, kind, data FROM wq_events WHERE run_id = %(id)s ORDER BY id",
+        "events": "SELECT seq, attempt, kind, data FROM wq_ledger WHERE run_id = %(id)s "
+        "ORDER BY seq",
         "children": "SELECT id, play, params, state::text, attempt, result, idempotency_key, "
         "finished_at FROM wq_runs WHERE parent_id = %(id)s ORDER BY created_at, id",
         "holds": "SELECT hold, key, org, attempt, owner, acquired_at "

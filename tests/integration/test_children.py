@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from queues import admission, children, operator, recovery, runs
+from tests import ledgers
 from tests.apps.scheduling import URL_ENV, prepare, registry
 from tests.workers import eventually, fetch, running_worker
 
@@ -57,12 +58,7 @@ async def test_a_parent_waits_durably_for_its_childs_result(url: str) -> None:
         "result": {"doubled": 8, "meta": {"by": "parent"}},
         "attempt": 2,  # it slept while the child ran, and was woken by its end
     }
-    kinds = [
-        k
-        for (k,) in await fetch(
-            url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY seq", (parent,)
-        )
-    ]
+    kinds = await ledgers.kinds(url, parent)
     assert "child_spawned" in kinds and "run_waiting" in kinds and "event_received" in kinds
 
 

@@ -101,7 +101,7 @@ async def test_a_client_goes_on_after_its_connection_is_terminated(
     printed = [json.loads(line) for line in lines]
     seqs = [p.get("event", p)["seq"] for p in printed if "seq" in p.get("event", p)]
     assert seqs == sorted(set(seqs)) and seqs[0] == 1, lines
-    ((last,),) = await fetch(db_url, "SELECT max(seq) FROM wq_events WHERE run_id = %s", (run_id,))
+    ((last,),) = await fetch(db_url, "SELECT max(seq) FROM wq_ledger WHERE run_id = %s", (run_id,))
     assert seqs[-1] == last
 
 

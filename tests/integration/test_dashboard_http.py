@@ -73,7 +73,7 @@ async def test_an_action_needs_the_sessions_token_and_the_same_origin(db_url: st
     rows = await fetch(
         db_url,
         "SELECT r.state::text, e.data ->> 'by', e.data ->> 'reason' FROM wq_runs r "
-        "JOIN wq_events e ON e.run_id = r.id AND e.kind = 'run_cancelled' WHERE r.id = %s",
+        "JOIN wq_ledger e ON e.run_id = r.id AND e.kind = 'run_cancelled' WHERE r.id = %s",
         (run_id,),
     )
     assert rows == [("cancelled", "dashboard:alice", "wrong list")]

@@ -13,6 +13,7 @@ from psycopg.types.json import Jsonb
 from queues import runs
 from queues.outcomes import Finish, FinishStatus
 from queues.queries import q
+from tests import ledgers
 from tests.apps.durable import SIDE_EFFECTS_DDL, registry
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 
@@ -37,23 +38,15 @@ async def terminal(url: str, run_id: uuid.UUID) -> str | None:
     return state if state in {"succeeded", "failed", "cancelled"} else None
 
 
-async def kinds(url: str, run_id: uuid.UUID) -> list[str]:
-    rows = await fetch(url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY id", (run_id,))
-    return [str(k) for (k,) in rows]
-
-
 async def test_sleep_leaves_the_worker_and_resumes_after_its_due_time(url: str) -> None:
     async with running_worker(url, registry):
         run_id = await submit(url, "sleeper", {"seconds": 0.6})
         await eventually(lambda: _is(url, run_id, "sleeping"))
         assert await terminal(url, run_id) is None
         assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
-    ((slept_at, woke_at),) = await fetch(
-        url,
-        "SELECT (SELECT at FROM wq_events WHERE run_id = %(r)s AND kind = 'run_sleeping'),"
-        "       (SELECT max(at) FROM wq_events WHERE run_id = %(r)s AND kind = 'attempt_started')",
-        {"r": run_id},
-    )
+    (slept,) = await ledgers.events(url, run_id, "run_sleeping")
+    woke = await ledgers.events(url, run_id, "attempt_started")
+    slept_at, woke_at = slept.at, max(e.at for e in woke)
     assert (woke_at - slept_at).total_seconds() >= 0.5
     # The step before the sleep ran once; the second attempt replayed it from its receipt.
     assert await side_effects(url, run_id) == {"before": 1, "after": 1}
@@ -83,7 +76,7 @@ async def test_an_emit_after_admission_but_before_the_wait_is_seen_without_sleep
     async with running_worker(url, registry):
         assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
     assert await side_effects(url, run_id) == {"woke": 1}
-    assert "run_waiting" not in await kinds(url, run_id)
+    assert "run_waiting" not in await ledgers.kinds(url, run_id)
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         assert (await runs.get(conn, run_id)).result == {"received": True, "payload": {"n": 2}}
 
@@ -109,7 +102,7 @@ async def test_wait_before_emit_wakes_exactly_once(url: str) -> None:
         assert (woken, again) == (1, 0)  # a woken waiter is not woken twice
         assert await eventually(lambda: terminal(url, run_id)) == "succeeded"
     assert await side_effects(url, run_id) == {"woke": 1}
-    log = await kinds(url, run_id)
+    log = await ledgers.kinds(url, run_id)
     assert log.count("event_received") == 1 and log.count("run_waiting") == 1
 
 
@@ -159,7 +152,7 @@ async def test_an_emit_between_the_check_and_the_suspension_is_not_lost(url: str
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         run = await runs.get(conn, run_id)
     assert run.result == {"received": True, "payload": {"raced": True}}
-    assert "run_waiting" not in await kinds(url, run_id)  # the suspension was never written
+    assert "run_waiting" not in await ledgers.kinds(url, run_id)  # the suspension was never written
     assert await side_effects(url, run_id) == {"woke": 1}
 
 

@@ -21,7 +21,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from queues import authority, operations, runs
 from queues.errors import OperationRefused, WriteIntentUnavailable
-from tests import attempts
+from tests import attempts, ledgers
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker import gateway, sandbox
 from worker.contract import GatewayTransport
@@ -82,6 +82,11 @@ def start_body(rows: list[str], *, action: str = "runtime_sheet_start_with_inten
 
 async def sheet_rows(db_url: str) -> int:
     return int((await fetch(db_url, "SELECT count(*) FROM wq_sheet_rows"))[0][0])
+
+
+async def play_events(url: str, run_id: uuid.UUID) -> list[runs.Event]:
+    """The run's events a play appended (kinds ``play.*``), in seq order."""
+    return [e for e in await ledgers.events(url, run_id) if e.kind.startswith("play.")]
 
 
 def error_of(response: httpx.Response) -> dict[str, Any]:
@@ -169,14 +174,12 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
     assert first.json()["result"] == {"appended": 2, "existing": 0}
     replay = await gw.post(delivery, ledger)  # a lost response, delivered again
     assert replay.json()["result"] == {"appended": 0, "existing": 2}
-    stored = await fetch(
-        gw.db_url,
-        "SELECT kind, data->>'n', data->>'delivery_owner', idempotency_key FROM wq_events"
-        " WHERE run_id = %s AND kind LIKE 'play.%%' ORDER BY seq",
-        (run_id,),
-    )
+    stored = [
+        (e.kind, e.data.get("n"), e.data.get("delivery_owner"), e.idempotency_key)
+        for e in await play_events(gw.db_url, run_id)
+    ]
     assert stored == [
-        ("play.fetched", "1", "projector-1", "delivery-1#0"),
+        ("play.fetched", 1, "projector-1", "delivery-1#0"),
         ("play.sent", None, "projector-1", "delivery-1#1"),
     ]
     # A queue event cannot be forged through the ledger token.
@@ -189,12 +192,7 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
     late = await gw.post(dict(delivery, idempotencyKey="delivery-3"), ledger)
     assert late.status_code == 409, late.text
     assert error_of(late)["code"] == "STALE_ATTEMPT"
-    count = await fetch(
-        gw.db_url,
-        "SELECT count(*) FROM wq_events WHERE run_id = %s AND kind LIKE 'play.%%'",
-        (run_id,),
-    )
-    assert count == [(2,)]
+    assert len(await play_events(gw.db_url, run_id)) == 2
 
 
 async def test_a_token_with_the_ledger_capability_and_anything_else_is_refused(

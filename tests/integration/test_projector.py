@@ -117,7 +117,7 @@ async def connect(url: str) -> AsyncIterator[Conn]:
 
 
 async def all_events(conn: Conn) -> list[runs.Event]:
-    cur = await conn.execute("SELECT DISTINCT run_id FROM wq_events")
+    cur = await conn.execute("SELECT DISTINCT run_id FROM wq_ledger")
     found: list[runs.Event] = []
     for (run_id,) in await cur.fetchall():
         found += await runs.events(conn, run_id)
@@ -408,9 +408,13 @@ async def test_seq_is_commit_order_where_id_order_would_renumber(db_url: str) ->
     """The interleaving that makes a seq derived from ids unstable, held on purpose: B
     draws its id, then waits for the run's seq lock that A holds; A appends again (a later
     id) and commits. Stored seqs follow the commits and never change; row_number() over the
-    ids would have given A's second event a seq that later moves."""
+    ids would have given A's second event a seq that later moves. The ids are those of the
+    ledger readers see; run_created, which its run row may stand for (no id), comes first."""
     run_id = await submit(db_url, "p", release="order")
-    by_id = "SELECT e.id, row_number() OVER (ORDER BY e.id) FROM wq_events e WHERE e.run_id = %s"
+    by_id = (
+        "SELECT e.id, row_number() OVER (ORDER BY e.id NULLS FIRST) FROM wq_ledger e"
+        " WHERE e.run_id = %s"
+    )
     appended, release = asyncio.Event(), asyncio.Event()
 
     async def b_appends(conn: Conn) -> runs.Event:

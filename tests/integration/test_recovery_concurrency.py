@@ -104,7 +104,7 @@ async def test_concurrent_passes_rescue_each_run_exactly_once(db_url: str) -> No
             "   WHERE j.args ->> 'run_id' = r.id::text AND j.status = 'todo'),"
             " (SELECT count(*) FROM wq_attempts a"
             "   WHERE a.run_id = r.id AND a.outcome = 'lease_expired'),"
-            " (SELECT count(*) FROM wq_events e"
+            " (SELECT count(*) FROM wq_ledger e"
             "   WHERE e.run_id = r.id AND e.kind IN ('lease_expired', 'respawned')),"
             " r.state::text, r.attempt"
             " FROM wq_runs r",

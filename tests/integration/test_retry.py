@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from queues import lanes, operator, outcomes, policy, runs
-from tests import attempts
+from tests import attempts, ledgers
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker.context import RunContext
 from worker.plays import Registry
@@ -94,8 +94,7 @@ async def test_two_concurrent_retries_make_one_retry(db_url: str) -> None:
         (str(run_id),),
     )
     assert jobs[0][0] == 1
-    kinds = await fetch(db_url, "SELECT kind FROM wq_events WHERE run_id = %s", (run_id,))
-    assert Counter(k for (k,) in kinds)["run_retried"] == 1
+    assert Counter(await ledgers.kinds(db_url, run_id))["run_retried"] == 1
     assert await run_state(db_url, run_id) == "queued"
 
 
@@ -196,11 +195,6 @@ async def test_a_retried_run_gets_a_fresh_budget_and_replays_its_paid_step(db_ur
     assert "in flaky" in failed_error["traceback"]
 
     # The ledger names the error; the traceback stays with the attempt and the run.
-    events = await fetch(
-        db_url,
-        "SELECT data FROM wq_events WHERE run_id = %s AND kind IN ('retry_scheduled', "
-        "'run_failed')",
-        (run_id,),
-    )
-    assert events and all("traceback" not in data["error"] for (data,) in events)
-    assert all(data["error"]["type"] == "RuntimeError" for (data,) in events)
+    events = await ledgers.events(db_url, run_id, "retry_scheduled", "run_failed")
+    assert events and all("traceback" not in e.data["error"] for e in events)
+    assert all(e.data["error"]["type"] == "RuntimeError" for e in events)

@@ -68,7 +68,14 @@ async def test_the_admission_role_can_admit_and_read_nothing(
             inputs=[("a", {"email": "x@example.com"})],
         )
         assert (again.run_id, again.created) == (admitted.run_id, False)
-    for table in ("wq_runs", "wq_run_inputs", "wq_sheet_rows", "wq_receipts", "wq_events"):
+    for table in (
+        "wq_runs",
+        "wq_run_inputs",
+        "wq_sheet_rows",
+        "wq_receipts",
+        "wq_events",
+        "wq_ledger",  # the events as readers see them (docs/design.md, 11b)
+    ):
         assert "permission denied" in await refused(url, f"SELECT * FROM {table}")
     await refused(url, "SELECT args FROM procrastinate_jobs")
     await refused(url, "UPDATE wq_runs SET state = 'succeeded'")

@@ -18,6 +18,7 @@ import pytest
 from queues import admission, lanes, operations, runs
 from queues.authority import Claims
 from queues.receipts import Scope
+from tests import ledgers
 from tests.workers import eventually, fetch, running_worker
 from worker.context import RunContext
 from worker.plays import Registry
@@ -106,9 +107,5 @@ async def test_run_steps_cost_one_call_each_and_replay_without_one(
         ("c", "completed", 1, "c@1"),
         ("flaky", "completed", 2, "flaky@2"),
     ]
-    failed = await fetch(
-        db_url,
-        "SELECT attempt, data->>'step' FROM wq_events WHERE run_id = %s AND kind = 'step_failed'",
-        (run_id,),
-    )
-    assert failed == [(1, "flaky")]
+    failed = await ledgers.events(db_url, run_id, "step_failed")
+    assert [(e.attempt, e.data["step"]) for e in failed] == [(1, "flaky")]

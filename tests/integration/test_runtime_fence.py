@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 
 from queues import lanes, recovery, runs
 from queues.outcomes import Finish, FinishStatus
+from tests import ledgers
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker.context import RunContext
 from worker.plays import Registry
@@ -221,12 +222,7 @@ async def test_a_cancel_unheard_before_an_event_wait_still_ends_the_run(url: str
         assert await eventually(lambda: _terminal(url, run_id)) == "cancelled"
     assert await hooks(url, run_id) == [1]
     assert await outcomes_of(url, run_id) == ["cancelled"]
-    kinds = [
-        k
-        for (k,) in await fetch(
-            url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY id", (run_id,)
-        )
-    ]
+    kinds = await ledgers.kinds(url, run_id)
     assert "run_waiting" not in kinds  # the refused suspension wrote nothing
     # A second cancel of the finished run changes nothing.
     again = await cancel(url, run_id)
@@ -343,12 +339,7 @@ async def test_a_cancel_with_a_lapsed_lease_runs_the_cleanup_once(
         assert await eventually(lambda: _terminal(url, run_id)) == "cancelled"
     assert await outcomes_of(url, run_id) == ["lease_expired", "cancelled"]
     assert await hooks(url, run_id) == [2]  # once, by the cleanup-only attempt
-    kinds = [
-        k
-        for (k,) in await fetch(
-            url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY id", (run_id,)
-        )
-    ]
+    kinds = await ledgers.kinds(url, run_id)
     assert "cleanup_started" in kinds and kinds[-1] == "run_cancelled"
 
 
@@ -420,12 +411,7 @@ async def test_a_killed_connection_interrupts_the_attempt_without_spending_the_b
     async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
         run = await runs.get(conn, run_id)
     assert run.result == {"attempt": 2}
-    kinds = [
-        k
-        for (k,) in await fetch(
-            url, "SELECT kind FROM wq_events WHERE run_id = %s ORDER BY id", (run_id,)
-        )
-    ]
+    kinds = await ledgers.kinds(url, run_id)
     assert "run_interrupted" in kinds and "retry_scheduled" not in kinds
 
 

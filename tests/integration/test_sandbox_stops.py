@@ -11,6 +11,7 @@ import uuid
 import psycopg
 
 from queues import operator, runs
+from tests import ledgers
 from tests.workers import eventually, fetch, running_worker, submit
 from worker.plays import load_registry
 
@@ -19,10 +20,7 @@ RELEASE = "sbx-stop"
 
 
 async def _event(db_url: str, run_id: uuid.UUID, kind: str) -> bool:
-    rows = await fetch(
-        db_url, "SELECT count(*) FROM wq_events WHERE run_id = %s AND kind = %s", (run_id, kind)
-    )
-    return rows[0][0] > 0
+    return bool(await ledgers.events(db_url, run_id, kind))
 
 
 async def test_a_cancel_runs_the_cleanup_hooks_in_the_sandbox(db_url: str) -> None:

@@ -63,10 +63,10 @@ async def value(conn: Conn, sql: str, params: dict[str, Any] | None = None) -> A
 
 
 async def counts(conn: Conn) -> dict[str, int]:
-    """Rows of every table an admission writes."""
+    """Rows of every table an admission writes, and the events readers see (wq_ledger)."""
     return {
         table: int(await value(conn, f"SELECT count(*) FROM {table}"))
-        for table in ("wq_runs", "procrastinate_jobs", "wq_events")
+        for table in ("wq_runs", "procrastinate_jobs", "wq_ledger")
     }
 
 
@@ -283,7 +283,7 @@ async def test_twenty_concurrent_submits_with_one_key_make_one_run(db_url: str) 
         assert {r.run_id for r in results} == {created[0].run_id}
         assert await value(admin, "SELECT count(*) FROM wq_runs") == 1
         assert await value(admin, "SELECT count(*) FROM procrastinate_jobs") == 1
-        assert await value(admin, "SELECT count(*) FROM wq_events WHERE kind = 'run_created'") == 1
+        assert await value(admin, "SELECT count(*) FROM wq_ledger WHERE kind = 'run_created'") == 1
 
         before = await counts(admin)
         with pytest.raises(IdempotencyConflict) as err:
