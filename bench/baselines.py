@@ -64,14 +64,18 @@ from psycopg.conninfo import conninfo_to_dict
 
 from bench.common import (
     BenchError,
+    add_out,
     add_pg_bin,
+    add_rounds,
+    add_systems,
     connect,
     create_database,
     drop_database,
+    ms_percentiles,
+    names_of,
     percentile,
     run_on_throwaway_server,
     scalar,
-    server_info,
     wait_until,
 )
 from bench.floor import Floor
@@ -84,19 +88,12 @@ from worker.runtime import CLAIM_AHEAD_UNDER_S, Settings, Worker
 RELEASE = "bench"
 QUEUE = "bench"
 GRAPHILE_DIR = Path(__file__).resolve().parent / "graphile"
-SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
 SYSTEMS = ("ours", "plain", "procrastinate", "absurd", "graphile", "floor")
 
 
 def latency_summary(seconds: list[float]) -> dict[str, Any]:
     """p50 and p99 in ms, and every sample (``samples_ms``: the distribution)."""
-    ms = [s * 1000 for s in seconds]
-    return {
-        "n": len(ms),
-        "p50_ms": round(percentile(ms, 50), 3),
-        "p99_ms": round(percentile(ms, 99), 3),
-        "samples_ms": [round(x, 3) for x in ms],
-    }
+    return ms_percentiles(seconds, (50, 99)) | {"samples_ms": [round(s * 1000, 3) for s in seconds]}
 
 
 def rate(n: int, seconds: float) -> dict[str, float]:
@@ -994,48 +991,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-samples", type=int, default=200)
     p.add_argument("--spacing-ms", type=float, default=20.0)
     p.add_argument("--steps", type=int, default=5000)
-    p.add_argument(
-        "--systems", type=lambda s: [x for x in s.split(",") if x], default=list(SYSTEMS)
-    )
+    add_systems(p, SYSTEMS)
     p.add_argument(
         "--groups",
-        type=lambda s: [x for x in s.split(",") if x],
+        type=names_of(GROUPS, "groups", ordered=True),  # always in the same order
         default=list(GROUPS),
         help=f"scenario groups to run, of {', '.join(GROUPS)} (all by default)",
     )
     p.add_argument("--phase-timeout", type=float, default=300.0)
-    p.add_argument(
-        "--rounds",
-        type=int,
+    add_rounds(
+        p,
         default=1,
         help="run every group of every system this many times; figures are medians, "
         "ratios the median of each round's own (with their range)",
     )
-    p.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(p)
     add_pg_bin(p)
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds {args.rounds}: at least 1")
-    strange = set(args.groups) - set(GROUPS)
-    if strange or not args.groups:
-        what = f"unknown groups {sorted(strange)}" if strange else "no group named"
-        p.error(f"{what}; choose from {', '.join(GROUPS)}")
-    args.groups = [g for g in GROUPS if g in args.groups]  # always in the same order
-    unknown = set(args.systems) - set(SYSTEMS)
-    if unknown:
-        p.error(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
-        admin_url = server.url("postgres")
-        report["server"] = await server_info(admin_url, SERVER_SETTINGS)
-        rounds = await run_bench(admin_url, args)
+        rounds = await run_bench(server.url("postgres"), args)
         report |= combine(rounds)
         if args.rounds > 1:
             report["rounds"] = rounds

@@ -85,11 +85,9 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -99,9 +97,9 @@ from typing import Any
 
 import psycopg
 
-from bench.results import finish as results_finish
+from bench import results
+from bench.common import add_out, throwaway_home, write_results
 from bench.results import metric, summary
-from bench.results import start as results_start
 from queues import admission
 from tests import providers
 from worker import embedded
@@ -641,8 +639,11 @@ def _old(leases: list[_Lease]) -> bool:
 
 
 def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
-    home = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
-    home.chmod(0o755)
+    with throwaway_home("chaos-", keep_env="CHAOS_KEEP") as home:
+        return _run_chaos(cfg, home, echo)
+
+
+def _run_chaos(cfg: ChaosConfig, home: Path, echo: Any) -> ChaosReport:
     logs = home / "logs"
     logs.mkdir()
     procs: _Processes | None = None
@@ -753,9 +754,6 @@ def run_chaos(cfg: ChaosConfig, *, echo: Any = print) -> ChaosReport:
         serving.join()
         if procs is not None:
             procs.stop_all()
-        embedded.stop(home, mode="immediate")
-        if os.environ.get("CHAOS_KEEP") != "1":
-            shutil.rmtree(home, ignore_errors=True)
 
 
 def _report(
@@ -1108,21 +1106,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=ci.rows)
     parser.add_argument("--sheets", type=int, default=ci.sheets)
     parser.add_argument("--seed", type=int, default=ci.seed)
-    parser.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(parser)
     args = parser.parse_args()
     cfg = ChaosConfig(runs=args.runs, rows=args.rows, sheets=args.sheets, seed=args.seed)
     started = time.perf_counter()
-    record = results_start("chaos", asdict(cfg))
+    record = results.start("chaos", asdict(cfg))
     report = run_chaos(cfg)
     print(json.dumps(asdict(report), indent=2))
     record["results"] = asdict(report)
     record["summary"] = summarize(report)
     if not report.ok:
         record["error"] = "; ".join(report.problems)
-    path = results_finish(record, args.out, elapsed_s=time.perf_counter() - started)
-    print(f"wrote {path}", file=sys.stderr)
+    write_results(record, args.out, started, file=sys.stderr)
     sys.exit(0 if report.ok else 1)
 
 

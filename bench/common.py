@@ -1,4 +1,5 @@
-"""What the benchmarks share: throwaway databases, small query helpers, quiet logging."""
+"""What the benchmarks share: a main (arguments, a throwaway Postgres, the results file),
+throwaway databases, small query helpers, quiet logging."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psycopg
 import structlog
+from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from bench import results
@@ -74,6 +76,12 @@ def percentile(values: list[float], p: float) -> float:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def ms_percentiles(seconds: list[float], ps: Sequence[int]) -> dict[str, Any]:
+    """How many samples (``n``) and each percentile of ``ps`` of them, in ms (``p50_ms``)."""
+    ms = [s * 1000 for s in seconds]
+    return {"n": len(ms), **{f"p{p}_ms": round(percentile(ms, p), 3) for p in ps}}
 
 
 def quiet_logging() -> None:
@@ -139,41 +147,177 @@ def postgres_of(server: embedded.EmbeddedServer) -> dict[str, Any]:
     }
 
 
-def run_on_throwaway_server(
-    bench: str,
-    args: argparse.Namespace,
-    body: Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Coroutine[Any, Any, None]],
-) -> int:
-    """A benchmark's main: a throwaway Postgres at server defaults in a fresh directory
-    (from ``args.pg_bin`` when the benchmark takes ``--pg-bin``; its version is recorded
-    under ``postgres``), the async ``body(server, home, report)`` run against it, the
-    server stopped and its directory removed whatever happens, then the report written
-    as ``bench``'s results file (:mod:`bench.results`; ``args.out`` when given).
-    Returns the exit code (1 when the body raised :class:`BenchError`)."""
-    started = time.perf_counter()
-    quiet_logging()
-    signal.signal(signal.SIGTERM, sigterm_exits)
-    home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
+# ---- a benchmark's main: its arguments, its server, its results file --------------------
+
+
+def add_out(parser: argparse.ArgumentParser) -> None:
+    """``--out PATH``: the results file (default: a timestamped file under bench/results/)."""
+    parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
+    )
+
+
+def add_rounds(parser: argparse.ArgumentParser, *, default: int, help: str) -> None:
+    """``--rounds K``: how many times the bench repeats what it measures (at least 1)."""
+    parser.add_argument("--rounds", type=int, action=AtLeastOne, default=default, help=help)
+
+
+class AtLeastOne(argparse.Action):
+    """An option's whole number, 1 or more: ``--rounds 0`` is refused by name."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if values < 1:
+            parser.error(f"{option_string} {values}: at least 1")
+        setattr(namespace, self.dest, values)
+
+
+def names_of(
+    choices: Sequence[str], what: str, *, ordered: bool = False
+) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated, non-empty subset of ``choices`` (``what`` names
+    them in the error); ``ordered`` puts them in the order of ``choices``."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = sorted(set(names) - set(choices))
+        if unknown or not names:
+            said = f"unknown {what} {unknown}" if unknown else f"no {what} named"
+            raise argparse.ArgumentTypeError(f"{said}; choose from {', '.join(choices)}")
+        return [c for c in choices if c in names] if ordered else names
+
+    return parse
+
+
+def add_systems(
+    parser: argparse.ArgumentParser, choices: Sequence[str], default: Sequence[str] | None = None
+) -> None:
+    """``--systems a,b``: the systems to measure, of ``choices`` (default: ``default``, else
+    all of them)."""
+    parser.add_argument(
+        "--systems",
+        type=names_of(choices, "systems"),
+        default=list(default if default is not None else choices),
+        help=f"comma-separated subset of {','.join(choices)}",
+    )
+
+
+def start_server(home: Path, settings: Mapping[str, str] | None = None) -> embedded.EmbeddedServer:
+    """The throwaway Postgres in ``home``: at server defaults, or with ``settings`` (each
+    set by ``ALTER SYSTEM``, then the server restarted so that every one applies)."""
+    server = embedded.ensure_running(home)
+    if not settings:
+        return server
+    with psycopg.connect(server.url("postgres"), autocommit=True, connect_timeout=10) as conn:
+        for name, value in settings.items():
+            conn.execute(
+                pgsql.SQL("ALTER SYSTEM SET {} = {}").format(
+                    pgsql.Identifier(name), pgsql.Literal(value)
+                )
+            )
+    embedded.stop(home, mode="fast")
+    return embedded.ensure_running(home)
+
+
+@contextlib.contextmanager
+def throwaway_home(prefix: str = "wq-bench-", *, keep_env: str | None = None) -> Iterator[Path]:
+    """A fresh directory for a throwaway server; on the way out, whatever happened, its
+    server is stopped (``immediate``) and the directory removed (kept when the environment
+    variable ``keep_env`` is 1, to read its logs)."""
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
     home.chmod(0o755)
-    report = results.start(bench, args)
-    code = 0
     try:
-        use_pg_bin(args)
-        server = embedded.ensure_running(home)
-        report["postgres"] = postgres_of(server)
-        print(
-            f"throwaway Postgres {report['postgres']['version']} at server defaults ({home})",
-            file=sys.stderr,
-        )
-        asyncio.run(body(server, home, report))
-    except BenchError as exc:
-        report["error"] = str(exc)
-        print(f"\nbench failed: {exc}", file=sys.stderr)
-        code = 1
+        yield home
     finally:
         with contextlib.suppress(Exception):
             embedded.stop(home, mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
-    path = results.finish(report, args.out, elapsed_s=time.perf_counter() - started)
-    print(f"\nwrote {path} ({report['duration_s']} s)")
+        if keep_env is None or os.environ.get(keep_env) != "1":
+            shutil.rmtree(home, ignore_errors=True)
+
+
+def write_results(
+    report: dict[str, Any], out: Path | None, started: float | None, *, file: IO[str] | None = None
+) -> Path:
+    """Write the run's results file (:func:`bench.results.finish`; its duration from
+    ``started``, a ``time.perf_counter()``, when given) and say where on ``file``
+    (default stdout)."""
+    elapsed = None if started is None else time.perf_counter() - started
+    path = results.finish(report, out, elapsed_s=elapsed)
+    took = f" ({report['duration_s']} s)" if "duration_s" in report else ""
+    print(f"\nwrote {path}{took}", file=file or sys.stdout, flush=True)
+    return path
+
+
+# What a results file records of the server's settings (``server``) unless the bench
+# names its own: what decides the speed of a queue's commits and plans.
+SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
+
+Body = Callable[[embedded.EmbeddedServer, Path, dict[str, Any]], Coroutine[Any, Any, None]]
+
+
+def run_on_throwaway_server(
+    bench: str,
+    args: argparse.Namespace,
+    body: Body,
+    *,
+    config: Mapping[str, Any] | None = None,
+    server_settings: tuple[str, ...] = SERVER_SETTINGS,
+    settings: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    setup_logging: Callable[[], None] = quiet_logging,
+    cleanup: Callable[[], None] | None = None,
+) -> int:
+    """A benchmark's main: a throwaway Postgres in a fresh directory, at server defaults or
+    with the named ``settings`` (from ``args.pg_bin`` when the benchmark takes
+    ``--pg-bin``; its version is recorded under ``postgres``, the ``server_settings``
+    shown by the server under ``server``), the async ``body(server, home, report)`` run
+    against it (within ``timeout`` seconds), then ``cleanup()``, the server stopped and its
+    directory removed whatever happens, and the report written as ``bench``'s results file
+    (:mod:`bench.results`, with ``config`` as its settings, default ``args``;
+    ``args.out`` when given). Returns the exit code: 1 when the body raised
+    :class:`BenchError` or ran out of time, 130 when it was cancelled."""
+    started = time.perf_counter()
+    setup_logging()
+    signal.signal(signal.SIGTERM, sigterm_exits)
+    report = results.start(bench, args if config is None else config)
+    code = 0
+    with throwaway_home() as home:
+        try:
+            use_pg_bin(args)
+            server = start_server(home, settings)
+            report["postgres"] = postgres_of(server)
+            if settings:
+                report["postgres"]["settings"] = dict(settings)
+            shown = ", ".join(f"{k} = {v}" for k, v in (settings or {}).items())
+            print(
+                f"throwaway Postgres {report['postgres']['version']} "
+                + (f"with {shown}" if shown else "at server defaults")
+                + f" ({home})",
+                file=sys.stderr,
+            )
+
+            async def main() -> None:
+                if server_settings:
+                    report["server"] = await server_info(server.url("postgres"), server_settings)
+                async with asyncio.timeout(timeout):
+                    await body(server, home, report)
+
+            asyncio.run(main())
+        except (BenchError, TimeoutError) as exc:
+            report["error"] = str(exc) or type(exc).__name__
+            print(f"\nbench failed: {report['error']}", file=sys.stderr)
+            code = 1
+        except asyncio.CancelledError:
+            report["error"] = "interrupted"
+            print("\nbench interrupted", file=sys.stderr)
+            code = 130
+        finally:
+            if cleanup is not None:
+                cleanup()
+    write_results(report, getattr(args, "out", None), started)
     return code

@@ -54,12 +54,12 @@ import psycopg
 from bench.baselines import FirstStart, drained_at
 from bench.common import (
     BenchError,
+    add_out,
     connect,
     create_database,
     drop_database,
     run_on_throwaway_server,
     scalar,
-    server_info,
     wait_until,
 )
 from bench.results import metric, summary
@@ -1018,9 +1018,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--slow-ms", type=float, default=50.0, help="recovery statements slower than this: plans"
     )
-    p.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(p)
     args = p.parse_args(argv)
     if args.runs < 1 or args.concurrency < 1 or args.chunk < 1 or args.rss_every < 1:
         p.error("counts must be positive")
@@ -1031,16 +1029,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
-        admin_url = server.url("postgres")
-        report["server"] = await server_info(admin_url, SERVER_SETTINGS)
         report["results"] = {}
         try:
-            await run_bench(admin_url, server.pid, args, report["results"])
+            await run_bench(server.url("postgres"), server.pid, args, report["results"])
         finally:  # the sizes measured, also when a later one failed
             report["summary"] = summarize(report["results"], args)
         print_report(report["results"], args)
 
-    return run_on_throwaway_server("history", args, body)
+    return run_on_throwaway_server("history", args, body, server_settings=SERVER_SETTINGS)
 
 
 if __name__ == "__main__":

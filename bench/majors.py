@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import results
+from bench.common import add_out, add_rounds, write_results
 from bench.results import as_speed, metric, summary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,12 +203,10 @@ def summarize(table: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pg-bin", action="append", default=[], metavar="DIR|embedded")
-    p.add_argument("--rounds", type=int, default=2)
+    add_rounds(p, default=2, help="rounds over every major, the majors alternating")
     p.add_argument("--dir", type=Path, default=ROOT / "bench" / "results" / "majors")
     p.add_argument("--tabulate", type=Path, metavar="DIR", help="only tabulate DIR's reports")
-    p.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(p)
     args = p.parse_args(argv)
     folder = args.tabulate or args.dir
     report = results.start("majors", args)
@@ -219,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     table["tabulated_at"] = datetime.now(UTC).isoformat(timespec="seconds")
     report["results"] = table
     report["summary"] = summarize(table)
-    out = results.finish(report, args.out)
     print(markdown(table))
-    print(f"\nwrote {out}")
+    write_results(report, args.out, None)
     return 0
 
 

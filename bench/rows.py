@@ -38,11 +38,9 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -56,19 +54,15 @@ from psycopg.types.json import Jsonb
 
 from bench.common import (
     BenchError,
+    add_out,
     add_pg_bin,
+    add_systems,
     connect,
     create_database,
-    postgres_of,
-    quiet_logging,
+    run_on_throwaway_server,
     scalar,
-    server_info,
-    sigterm_exits,
-    use_pg_bin,
 )
-from bench.results import finish as results_finish
 from bench.results import metric, summary
-from bench.results import start as results_start
 from queues import admission, lanes, migrations, receipts
 from queues.inputs import InputPages
 from worker import embedded
@@ -86,6 +80,7 @@ SERVER_SETTINGS = (
 SHEET = "bench-rows"
 ORG = "default"
 PROCRASTINATE_QUEUE = "rows"
+SYSTEMS = ("ours", "floor", "procrastinate")
 POLL_S = 0.1
 TARGET_FLOOR_RATIO = 0.7  # ours / the floor at server defaults (INSERT ... FROM unnest)
 TARGET_PROCRASTINATE_RATIO = 20.0
@@ -838,20 +833,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="jobs (one per row) for bare procrastinate",
     )
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument(
-        "--systems",
-        default="ours,floor,procrastinate",
-        help="comma-separated subset of ours,floor,procrastinate",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_systems(parser, SYSTEMS)
+    add_out(parser)
     parser.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
     add_pg_bin(parser)
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not args.systems or not set(args.systems) <= {"ours", "floor", "procrastinate"}:
-        parser.error("--systems takes ours, floor and/or procrastinate")
     if (
         min(args.rows, args.procrastinate_rows, args.concurrency, args.page) < 1
         or args.small_rows < 0
@@ -867,63 +853,50 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    quiet_logging()
-    signal.signal(signal.SIGTERM, sigterm_exits)
-    home = Path(tempfile.mkdtemp(prefix="wq-rows-", dir="/tmp"))
-    home.chmod(0o755)
-    report = results_start(
-        "rows",
-        {
-            "rows": args.rows,
-            "small_rows": args.small_rows,
-            "page": args.page,
-            "procrastinate_rows": args.procrastinate_rows,
-            "concurrency": args.concurrency,
-            "systems": args.systems,
-            "poll_s": POLL_S,
-            "pg_bin": None if args.pg_bin is None else str(args.pg_bin),
-        },
-    )
-    report["targets"] = {
-        "ours_over_floor": TARGET_FLOOR_RATIO,
-        "ours_over_procrastinate": TARGET_PROCRASTINATE_RATIO,
-        "worker_peak_rss_mb": TARGET_RSS_MB,
+    config = {
+        "rows": args.rows,
+        "small_rows": args.small_rows,
+        "page": args.page,
+        "procrastinate_rows": args.procrastinate_rows,
+        "concurrency": args.concurrency,
+        "systems": args.systems,
+        "poll_s": POLL_S,
+        "pg_bin": None if args.pg_bin is None else str(args.pg_bin),
     }
-    results: dict[str, Any] = {}
-    report["results"] = results
-    code = 0
-    started = time.perf_counter()
-    try:
-        use_pg_bin(args)
-        server = embedded.ensure_running(home)
-        report["postgres"] = postgres_of(server)
-        admin_url = server.url("postgres")
-        print(f"throwaway Postgres {report['postgres']['version']} on port {server.port} ({home})")
 
-        async def body() -> None:
-            report["server"] = await server_info(admin_url, SERVER_SETTINGS)
-            await asyncio.wait_for(run_bench(admin_url, home, args, results), args.timeout)
+    async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
+        report["targets"] = {
+            "ours_over_floor": TARGET_FLOOR_RATIO,
+            "ours_over_procrastinate": TARGET_PROCRASTINATE_RATIO,
+            "worker_peak_rss_mb": TARGET_RSS_MB,
+        }
+        results: dict[str, Any] = {}
+        report["results"] = results
+        try:
+            await run_bench(server.url("postgres"), home, args, results)
+        finally:
+            if results:  # partial on failure: the phases that ended
+                report["ratios"] = ratios(results)
+                report["summary"] = summarize(results, args)
+                print_table(results, report["ratios"])
 
-        asyncio.run(body())
-    except (BenchError, TimeoutError) as exc:
-        report["error"] = str(exc) or type(exc).__name__
-        print(f"\nbench failed: {report['error']}", file=sys.stderr)
-        code = 1
-    finally:
-        for proc in list(_children):
-            with contextlib.suppress(Exception):
-                proc.kill()
-                proc.wait(10)
+    return run_on_throwaway_server(
+        "rows",
+        args,
+        body,
+        config=config,
+        server_settings=SERVER_SETTINGS,
+        timeout=args.timeout,
+        cleanup=kill_children,
+    )
+
+
+def kill_children() -> None:
+    """End the worker subprocesses still running (the bench failed or was interrupted)."""
+    for proc in list(_children):
         with contextlib.suppress(Exception):
-            embedded.stop(home, mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
-    if results:  # partial on failure: the phases that ended
-        report["ratios"] = ratios(results)
-        report["summary"] = summarize(results, args)
-        print_table(results, report["ratios"])
-    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
-    print(f"\nresults: {path} ({report['duration_s']} s)")
-    return code
+            proc.kill()
+            proc.wait(10)
 
 
 if __name__ == "__main__":

@@ -40,11 +40,9 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -54,10 +52,18 @@ from typing import IO, Any
 import psycopg
 
 from bench import hosts as hostlib
-from bench.common import percentile, quiet_logging, scalar, sigterm_exits
-from bench.results import finish as results_finish
+from bench import results
+from bench.common import (
+    add_out,
+    percentile,
+    quiet_logging,
+    scalar,
+    sigterm_exits,
+    start_server,
+    throwaway_home,
+    write_results,
+)
 from bench.results import metric, summary
-from bench.results import start as results_start
 from bench.throughput import server_cpu_s
 from queues import admission, lanes, migrations, roles
 from worker import embedded
@@ -351,15 +357,7 @@ async def measure(s: Setup, n: int, *, trivial_runs: int, io_rounds: int) -> Row
 def _listen_on(home: Path, addresses: list[str]) -> embedded.EmbeddedServer:
     """Restart the bench's server listening on the links' addresses too, with one more
     pg_hba line for their subnet (SCRAM, like every other line)."""
-    server = embedded.ensure_running(home)
-    with psycopg.connect(server.url("postgres"), autocommit=True) as conn:
-        conn.execute(
-            "ALTER SYSTEM SET listen_addresses = %s".replace("%s", "'{}'").format(
-                ",".join(["127.0.0.1", *addresses])
-            )
-        )
-    embedded.stop(home, mode="fast")
-    server = embedded.ensure_running(home)
+    server = start_server(home, {"listen_addresses": ",".join(["127.0.0.1", *addresses])})
     hba = server.datadir / "pg_hba.conf"
     with hba.open("a") as f:
         f.write(f"host    all          all   {hostlib.SUBNET}.0.0/16  {embedded.AUTH}\n")
@@ -392,10 +390,13 @@ async def _prepare_database(server: embedded.EmbeddedServer) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace, echo: Any) -> list[Row]:
+    with throwaway_home("wq-scale-", keep_env="SCALE_KEEP") as home:
+        return _run(args, echo, home)
+
+
+def _run(args: argparse.Namespace, echo: Any, home: Path) -> list[Row]:
     counts = sorted({int(x) for x in args.hosts.split(",")})
     reason = "--loopback given" if args.loopback else hostlib.namespaces_available()
-    home = Path(tempfile.mkdtemp(prefix="wq-scale-"))
-    home.chmod(0o755)
     logs = home / "logs"
     logs.mkdir()
     net: hostlib.Hosts | None = None
@@ -446,9 +447,6 @@ def run(args: argparse.Namespace, echo: Any) -> list[Row]:
             bouncer.stop()
         if net is not None:
             net.close()
-        embedded.stop(home, mode="immediate")
-        if os.environ.get("SCALE_KEEP") != "1":
-            shutil.rmtree(home, ignore_errors=True)
     return rows
 
 
@@ -535,9 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-listen", action="store_true", help="PgBouncer and no LISTEN")
     parser.add_argument("--loopback", action="store_true", help="no namespaces")
     parser.add_argument("--json", action="store_true", help="last line: {'rows': [...]}")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(parser)
     args = parser.parse_args(argv)
     quiet_logging()
     signal.signal(signal.SIGTERM, sigterm_exits)
@@ -546,13 +542,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     started = time.perf_counter()
-    report = results_start("scale", args)
+    report = results.start("scale", args)
     rows = run(args, echo)
     report["results"] = {"rows": [asdict(r) for r in rows]}
     report["summary"] = summarize(rows)
-    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
     print(table(rows, args), file=sys.stderr if args.json else sys.stdout, flush=True)
-    echo(f"\nwrote {path}")
+    write_results(report, args.out, started, file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows]}), flush=True)
     return 0

@@ -34,10 +34,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
@@ -50,33 +48,27 @@ import psycopg
 
 from bench.common import (
     BenchError,
+    add_out,
+    add_rounds,
+    add_systems,
     connect,
     create_database,
     drop_database,
+    ms_percentiles,
     percentile,
-    postgres_of,
     quiet_logging,
+    run_on_throwaway_server,
     scalar,
-    server_info,
-    sigterm_exits,
 )
-from bench.results import finish as results_finish
 from bench.results import metric, summary
-from bench.results import start as results_start
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.demo import demo_plays
 from worker.runtime import POLL_INTERVAL_S, Settings, Worker
 
 RELEASE = "bench"
-SERVER_SETTINGS = (
-    "shared_buffers",
-    "synchronous_commit",
-    "fsync",
-    "max_connections",
-    "autovacuum",
-)
 PROCRASTINATE_QUEUE = "bench"
+SYSTEMS = ("ours", "procrastinate")
 POLL_S = 0.05  # completion polling period
 LATENCY_SPACING_S = 0.02
 
@@ -89,13 +81,8 @@ PHASES = (
 
 
 def ms_summary(seconds: list[float]) -> dict[str, float]:
-    values = [s * 1000 for s in seconds]
-    return {
-        "n": len(values),
-        "p50_ms": round(percentile(values, 50), 3),
-        "p95_ms": round(percentile(values, 95), 3),
-        "p99_ms": round(percentile(values, 99), 3),
-        "max_ms": round(max(values), 3) if values else float("nan"),
+    return ms_percentiles(seconds, (50, 95, 99)) | {
+        "max_ms": round(max(seconds) * 1000, 3) if seconds else float("nan")
     }
 
 
@@ -821,11 +808,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--submitters", type=int, default=4, help="concurrent submitting connections"
     )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="repeat everything on fresh databases; report the median round",
+    add_rounds(
+        parser, default=1, help="repeat everything on fresh databases; report the median round"
     )
     parser.add_argument(
         "--logs",
@@ -833,45 +817,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="quiet",
         help="quiet: WARNING+; info: render every INFO line to /dev/null",
     )
-    parser.add_argument(
-        "--systems",
-        default="ours,procrastinate",
-        help="comma-separated subset of ours,procrastinate",
-    )
-    parser.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_systems(parser, SYSTEMS)
+    add_out(parser)
     parser.add_argument("--timeout", type=float, default=900, help="overall limit in seconds")
     args = parser.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not set(args.systems) <= {"ours", "procrastinate"} or not args.systems:
-        parser.error("--systems takes ours and/or procrastinate")
-    if min(args.runs, args.latency_samples, args.concurrency, args.submitters, args.rounds) < 1:
+    if min(args.runs, args.latency_samples, args.concurrency, args.submitters) < 1:
         parser.error("counts must be positive")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configure_logging(args.logs)
-    signal.signal(signal.SIGTERM, sigterm_exits)
-    home = Path(tempfile.mkdtemp(prefix="wq-bench-", dir="/tmp"))
-    home.chmod(0o755)
-    report = results_start(
-        "throughput",
-        {
-            "runs": args.runs,
-            "latency_samples": args.latency_samples,
-            "concurrency": args.concurrency,
-            "submitters": args.submitters,
-            "rounds": args.rounds,
-            "logs": args.logs,
-            "systems": args.systems,
-            "completion_poll_s": POLL_S,
-            "latency_spacing_s": LATENCY_SPACING_S,
-            "worker_poll_interval_s": POLL_INTERVAL_S,
-        },
-    )
+    config = {
+        "runs": args.runs,
+        "latency_samples": args.latency_samples,
+        "concurrency": args.concurrency,
+        "submitters": args.submitters,
+        "rounds": args.rounds,
+        "logs": args.logs,
+        "systems": args.systems,
+        "completion_poll_s": POLL_S,
+        "latency_spacing_s": LATENCY_SPACING_S,
+        "worker_poll_interval_s": POLL_INTERVAL_S,
+    }
     cpus = os.cpu_count() or 1
     if (load := loadavg()) is not None and load > cpus / 2:
         print(
@@ -879,42 +847,25 @@ def main(argv: list[str] | None = None) -> int:
             " the cpu/job columns are steadier",
             file=sys.stderr,
         )
-    code = 0
-    started = time.perf_counter()
-    try:
-        server = embedded.ensure_running(home)
-        admin_url = server.url("postgres")
-        report["postgres"] = postgres_of(server)
-        print(f"throwaway Postgres {server.major_version} on port {server.port} ({home})")
 
-        async def body() -> dict[str, Any]:
-            loop, me = asyncio.get_running_loop(), asyncio.current_task()
-            assert me is not None
-            for sig in (signal.SIGINT, signal.SIGTERM):  # stop the bench, then clean up
-                loop.add_signal_handler(sig, me.cancel)
-            results = await asyncio.wait_for(run_bench(admin_url, server.pid, args), args.timeout)
-            report["server"] = await server_info(admin_url, SERVER_SETTINGS)
-            return results
-
-        report["results"] = asyncio.run(body())
+    async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
+        loop, me = asyncio.get_running_loop(), asyncio.current_task()
+        assert me is not None
+        for sig in (signal.SIGINT, signal.SIGTERM):  # stop the bench, then clean up
+            loop.add_signal_handler(sig, me.cancel)
+        report["results"] = await run_bench(server.url("postgres"), server.pid, args)
         report["ratios"] = ratios(report["results"])
         report["summary"] = summarize(report["results"])
         print_table(report["results"], report["ratios"])
-    except (BenchError, TimeoutError) as exc:
-        report["error"] = str(exc) or type(exc).__name__
-        print(f"\nbench failed: {report['error']}", file=sys.stderr)
-        code = 1
-    except asyncio.CancelledError:
-        report["error"] = "interrupted"
-        print("\nbench interrupted", file=sys.stderr)
-        code = 130
-    finally:
-        with contextlib.suppress(Exception):
-            embedded.stop(home, mode="immediate")
-        shutil.rmtree(home, ignore_errors=True)
-    path = results_finish(report, args.out, elapsed_s=time.perf_counter() - started)
-    print(f"\nwrote {path} ({report['duration_s']} s)")
-    return code
+
+    return run_on_throwaway_server(
+        "throughput",
+        args,
+        body,
+        config=config,
+        timeout=args.timeout,
+        setup_logging=lambda: configure_logging(args.logs),
+    )
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ from psycopg import sql
 from bench.baselines import FirstStart, latency_summary
 from bench.common import (
     BenchError,
+    add_out,
     connect,
     create_database,
     drop_database,
     run_on_throwaway_server,
-    server_info,
     wait_until,
 )
 from bench.results import metric, summary
@@ -71,7 +71,6 @@ from worker.plays import Registry
 from worker.runtime import Settings, Worker
 
 RELEASE = "bench"
-SERVER_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "autovacuum", "max_connections")
 MODES = ("wake-one", "broadcast")
 CONCURRENCY = 10
 GRACE_S = 5.0
@@ -350,9 +349,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=worker_counts, default=[1, 4, 8])
     p.add_argument("--runs", type=int, default=200, help="single submits per mode and K")
     p.add_argument("--spacing-ms", type=float, default=20.0)
-    p.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_out(p)
     args = p.parse_args(argv)
     if args.runs < 1:
         p.error("--runs must be at least 1")
@@ -364,7 +361,6 @@ def main(argv: list[str] | None = None) -> int:
 
     async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
         admin_url = server.url("postgres")
-        report["server"] = await server_info(admin_url, SERVER_SETTINGS)
         results: dict[int, Any] = {}
         report["results"] = results
         try:

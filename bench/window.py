@@ -35,11 +35,12 @@ from typing import Any
 import psycopg
 
 from bench.common import (
+    add_out,
+    add_rounds,
     create_database,
     drop_database,
     percentile,
     run_on_throwaway_server,
-    server_info,
 )
 from bench.results import metric, summary
 from queues import admission, migrations
@@ -146,10 +147,8 @@ async def one_state(url: str, rounds: int) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.window", description=__doc__)
-    parser.add_argument("--rounds", type=int, default=200, help="runs of each command")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="the results file (default: bench/results/)"
-    )
+    add_rounds(parser, default=200, help="runs of each command")
+    add_out(parser)
     return parser.parse_args(argv)
 
 
@@ -190,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
 
     async def body(server: embedded.EmbeddedServer, home: Path, report: dict[str, Any]) -> None:
         admin_url = server.url("postgres")
-        report["server"] = await server_info(admin_url, SERVER_SETTINGS)
         report["schema_version"] = migrations.code_schema().version
         results: dict[str, Any] = {}
         report["results"] = results
@@ -206,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         report["summary"] = summarize(results)
         print_table(results)
 
-    return run_on_throwaway_server("window", args, body)
+    return run_on_throwaway_server("window", args, body, server_settings=SERVER_SETTINGS)
 
 
 if __name__ == "__main__":
