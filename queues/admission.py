@@ -22,7 +22,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, LiteralString
 
@@ -59,23 +59,47 @@ class Submission:
     release: str = "dev"
     org: str = "default"
     idempotency_key: str | None = None
-    priority: int = 0
+    priority: int | str = 0  # higher runs first within its lane; text of digits is taken
     # The run's own options (None: its lane's policy), by the rules of queues.options:
-    max_attempts: int | None = None  # failed attempts allowed
+    max_attempts: int | str | None = None  # failed attempts allowed
     retry: fields.Retry | str | Mapping[str, Any] | None = None  # none, fixed:30s, ...
     timeout: float | timedelta | str | None = None  # seconds from its first start
     start_by: datetime | timedelta | float | str | None = None  # the claim deadline
     meta: Mapping[str, Any] | None = None  # a small JSON object stored with the run
 
-    def options(self) -> RunOptions:
-        """The run's own options, checked (a relative ``start_by`` counts from now)."""
+    def options(self, names: Mapping[str, str] | None = None) -> RunOptions:
+        """The run's own options, checked (a relative ``start_by`` counts from now);
+        ``names`` renames the fields in refusals."""
         return RunOptions.checked(
             max_attempts=self.max_attempts,
             retry=self.retry,
             timeout=self.timeout,
             start_by=self.start_by,
             meta=self.meta,
+            names=names,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A submission every field of which passed its rule, as :func:`check` made it: the
+    submits take it as it is, without checking it again (the database still checks every
+    submit, as the last line).
+
+    ``sub`` holds the checked values (its release a :class:`~queues.fields.Release`, its
+    priority a number); ``options`` are the run's own, checked. Only :func:`check` makes
+    one, so a submission the submits take unchecked is one that was checked."""
+
+    sub: Submission
+    options: RunOptions
+    made_by: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.made_by is not _CHECK:
+            raise TypeError("a Checked submission is made by queues.admission.check")
+
+
+_CHECK = object()  # what check() gives each Checked it makes
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,31 +125,59 @@ def encode_params(params: Any) -> str:
     return fields.encode(params, field="params", max_bytes=fields.MAX_PARAMS_BYTES)
 
 
+def check(
+    sub: Submission | Checked,
+    known_plays: frozenset[str] | None = None,
+    *,
+    names: Mapping[str, str] | None = None,
+) -> Checked:
+    """Every field of a submission, each by its one rule, before any write; ``names``
+    renames the fields in refusals (the CLI's flags: ``{"priority": "--priority"}``).
+
+    A submission already checked is not checked again: only its play against
+    ``known_plays``, when they are given."""
+    if isinstance(sub, Checked):
+        if known_plays is not None:
+            _known(sub.sub.play, known_plays)
+        return sub
+    name = dict(names or {})
+    release = lanes.validate_release(sub.release, field=name.get("release", "release"))
+    fields.play_name(sub.play, field=name.get("play", "play"))
+    fields.org(sub.org, field=name.get("org", "org"))
+    fields.idempotency_key(
+        sub.idempotency_key, field=name.get("idempotency_key", "idempotency_key")
+    )
+    priority = fields.priority(sub.priority, field=name.get("priority", "priority"))
+    options = sub.options(name)
+    if known_plays is not None:
+        _known(sub.play, known_plays)
+    checked = replace(sub, release=release, priority=priority)
+    return Checked(sub=checked, options=options, made_by=_CHECK)
+
+
 def validate(sub: Submission, known_plays: frozenset[str] | None = None) -> RunOptions:
     """Every field of a submission, by the one set of field rules (before any write); the
-    run's own options, checked."""
-    lanes.validate_release(sub.release)
-    fields.play_name(sub.play)
-    fields.org(sub.org)
-    fields.idempotency_key(sub.idempotency_key)
-    fields.priority(sub.priority)
-    options = sub.options()
-    if known_plays is not None and sub.play not in known_plays:
-        hint = did_you_mean(sub.play, known_plays)
+    run's own options, checked (:func:`check`, for its options only)."""
+    return check(sub, known_plays).options
+
+
+def _known(play: str, known_plays: frozenset[str]) -> None:
+    """Refuse a play that is not among the app's."""
+    if play not in known_plays:
+        hint = did_you_mean(play, known_plays)
         raise UnknownPlay(
-            f"unknown play {sub.play!r}"
+            f"unknown play {play!r}"
             + (f"; did you mean {hint!r}?" if hint else "")
             + f" Known plays: {', '.join(sorted(known_plays)) or '(none)'}",
             field="play",
             rule="a play registered with @play",
             fix="register the play in the app module passed to --app, or fix the name",
         )
-    return options
 
 
 async def submit(
     conn: psycopg.AsyncConnection[Any],
-    sub: Submission,
+    sub: Submission | Checked,
     *,
     authority: Mapping[str, Any] | None = None,
     inputs: Sequence[tuple[str, Any]] | InputPages | None = None,
@@ -136,40 +188,39 @@ async def submit(
     COMMIT); inside the caller's transaction it runs in a savepoint, and the run exists
     exactly when the caller commits. ``inputs`` (rows for the play's sheet) are stored in
     pages by the same statement. The same idempotency key with another play, other params
-    or other input rows is an :class:`IdempotencyConflict`.
+    or other input rows is an :class:`IdempotencyConflict`. A :class:`Checked` submission
+    is admitted without checking it again.
     """
-    options = validate(sub)
-    return await _admit(conn, sub, options, authority=authority, inputs=inputs)
+    return await _admit(conn, check(sub), authority=authority, inputs=inputs)
 
 
 async def _admit(
     conn: psycopg.AsyncConnection[Any],
-    sub: Submission,
-    options: RunOptions,
+    checked: Checked,
     *,
     authority: Mapping[str, Any] | None,
     inputs: Sequence[tuple[str, Any]] | InputPages | None,
 ) -> Admitted:
     """The atomic statement in a ``wq.submit`` span, whose trace context is stored with the
     run so its attempts continue the trace (:mod:`queues.tracing`)."""
+    sub = checked.sub
     lane = lanes.LANE_PREFIX + sub.release
     attributes = {"wq.play": sub.play, "wq.lane": lane, "wq.org": sub.org}
     with tracing.span("wq.submit", attributes=attributes) as span:
-        admitted = await _admit_statement(conn, sub, options, authority=authority, inputs=inputs)
+        admitted = await _admit_statement(conn, checked, authority=authority, inputs=inputs)
         tracing.annotate(span, run_id=admitted.run_id, created=admitted.created)
     return admitted
 
 
 async def _admit_statement(
     conn: psycopg.AsyncConnection[Any],
-    sub: Submission,
-    options: RunOptions,
+    checked: Checked,
     *,
     authority: Mapping[str, Any] | None,
     inputs: Sequence[tuple[str, Any]] | InputPages | None,
 ) -> Admitted:
-    """The atomic statement, for a submission already validated (``options``: its own,
-    as :func:`validate` checked them)."""
+    """The atomic statement, for a submission already checked."""
+    sub, options = checked.sub, checked.options
     lane = lanes.LANE_PREFIX + sub.release
     params = encode_params(sub.params)
     pages = inputs if isinstance(inputs, InputPages) else InputPages.of(inputs or ())
@@ -204,7 +255,7 @@ async def _admit_statement(
 
 async def submit_many(
     conn: psycopg.AsyncConnection[Any],
-    subs: Sequence[Submission],
+    subs: Sequence[Submission | Checked],
     *,
     authority: Mapping[str, Any] | None = None,
 ) -> list[Admitted]:
@@ -214,7 +265,8 @@ async def submit_many(
     admitted, ``created=False``; the same key twice in one batch admits one run), and the
     answer is in the batch's order. Atomic: a refusal (a lane that does not admit, a key
     reused for another request) writes nothing. No input rows: a run with rows is admitted
-    by :func:`submit`. At most :data:`MAX_BATCH` submissions per call.
+    by :func:`submit`. At most :data:`MAX_BATCH` submissions per call. A :class:`Checked`
+    submission is not checked again.
     """
     if len(subs) > MAX_BATCH:
         raise InvalidField(
@@ -223,8 +275,9 @@ async def submit_many(
             rule=f"at most {MAX_BATCH} submissions per batch",
             fix="split the batch",
         )
-    for sub in subs:
-        if not validate(sub).empty:  # never silently dropped
+    checked = [check(sub) for sub in subs]
+    for one in checked:
+        if not one.options.empty:  # never silently dropped
             raise InvalidField(
                 "a batch submission carries run options (max_attempts, retry, timeout, "
                 "start_by or meta)",
@@ -232,10 +285,10 @@ async def submit_many(
                 rule="a batch admits runs with their lane's policy",
                 fix="submit runs with options of their own one by one (submit)",
             )
-    if not subs:
+    if not checked:
         return []
-    with tracing.span("wq.submit_many", attributes={"wq.runs": len(subs)}):
-        return await _admit_many(conn, subs, authority=authority)
+    with tracing.span("wq.submit_many", attributes={"wq.runs": len(checked)}):
+        return await _admit_many(conn, [one.sub for one in checked], authority=authority)
 
 
 MAX_BATCH = 10_000  # submissions per wq_submit_many statement: bounds its locks and WAL
@@ -247,7 +300,7 @@ async def _admit_many(
     *,
     authority: Mapping[str, Any] | None,
 ) -> list[Admitted]:
-    """The batch statement, for submissions already validated."""
+    """The batch statement, for submissions already checked."""
     ids = [uuid.uuid4() for _ in subs]
     args = {
         "ids": ids,
@@ -404,23 +457,23 @@ class Admitter:
     async def submit_many(
         self,
         conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any],
-        subs: Sequence[Submission],
+        subs: Sequence[Submission | Checked],
         *,
         known_plays: frozenset[str] | None = None,
         authority: Mapping[str, Any] | None = None,
     ) -> list[Admitted]:
         """Admit a batch in one statement (:func:`submit_many`) under one permit; lazy
-        preparation of each lane first unless admission-only. One ``runs_submitted`` line."""
-        for sub in subs:
-            validate(sub, known_plays)
+        preparation of each lane first unless admission-only. One ``runs_submitted`` line.
+        Each submission is checked first (a :class:`Checked` one is not checked again)."""
+        checked = [check(sub, known_plays) for sub in subs]
         started = time.perf_counter()
         async with self._permits:
             waited = time.perf_counter() - started
             async with _connection(conn) as held:
                 if not self.admission_only:
-                    for release in sorted({sub.release for sub in subs}):
+                    for release in sorted({one.sub.release for one in checked}):
                         await self.prepare_lane(held, release)
-                admitted = await submit_many(held, subs, authority=authority)
+                admitted = await submit_many(held, checked, authority=authority)
         log.info(
             "runs_submitted",
             lanes=sorted({a.lane for a in admitted}),
@@ -435,7 +488,7 @@ class Admitter:
     async def submit(
         self,
         conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any],
-        sub: Submission,
+        sub: Submission | Checked,
         *,
         known_plays: frozenset[str] | None = None,
         authority: Mapping[str, Any] | None = None,
@@ -448,8 +501,12 @@ class Admitter:
         mode, the one ``wq_submit``), so waiting submits hold no connection, and behind
         PgBouncer in transaction mode a submit holds a server connection for its one
         statement only.
+
+        ``sub`` is checked first, before a permit or a connection is taken (a
+        :class:`Checked` one, made by :func:`check`, is not checked again).
         """
-        options = validate(sub, known_plays)
+        checked = check(sub, known_plays)
+        sub = checked.sub
         depth = self._waiting
         started = time.perf_counter()
         self._waiting += 1
@@ -466,7 +523,7 @@ class Admitter:
                     await self.prepare_lane(held, sub.release)
                     prepare_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                admitted = await _admit(held, sub, options, authority=authority, inputs=inputs)
+                admitted = await _admit(held, checked, authority=authority, inputs=inputs)
                 insert_s = time.perf_counter() - t1
         except Exception as exc:
             log.warning(

@@ -43,7 +43,7 @@ COMMANDS: dict[str, str] = {
     "start": "processes:start",
     "recover": "processes:recover_command",
     "gateway": "processes:gateway_command",
-    "submit": "runs:submit",
+    "submit": "submit:submit",
     "result": "runs:result",
     "observe": "runs:observe_cmd",
     "cancel": "runs:cancel",
