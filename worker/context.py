@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from queues import fields, receipts, runs, sheets
+from queues import calls, fields, receipts, runs, sheets
 from queues.fence import Fence
-from worker.contract import Transport
+from worker.contract import Transport, WireSender, typed
 from worker.sheet import Sheet
 from worker.steps import Steps
 from worker.waits import (
@@ -58,6 +58,7 @@ __all__ = [
 ]
 
 STEP_LEASE_S = receipts.STEP_LEASE_S
+T = TypeVar("T")
 
 CleanupFn = Callable[["RunContext"], Awaitable[None]]  # a cancel hook (``ctx.on_cancel``)
 
@@ -110,13 +111,13 @@ class RunContext:
     (they share the worker's process); untrusted plays run sandboxed.
     """
 
-    def __init__(self, info: RunInfo, params: dict[str, Any], transport: Transport):
+    def __init__(self, info: RunInfo, params: dict[str, Any], transport: Transport | WireSender):
         self.info = info
         self.params = params
         self.fence = info.fence
-        self._transport = transport
-        self._steps = Steps(info, self._call)
-        self._waits = Waits(info, self._call, self._steps, lambda: self.log)
+        self._transport = typed(transport)
+        self._steps = Steps(info, self._run)
+        self._waits = Waits(info, self._run, self._steps, lambda: self.log)
         self._cleanups: list[CleanupFn] = []
         self._sheets: dict[str, Sheet] = {}
         self.cancel_requested = False
@@ -165,8 +166,8 @@ class RunContext:
         in the middle of: the first execution of a resumed attempt."""
         return self._steps.duplicate_suspects
 
-    async def _call(self, action: str, payload: dict[str, Any], **kw: Any) -> Any:
-        return await self._transport.call(action, payload, **kw)
+    async def _run(self, call: calls.Call[T]) -> T:
+        return await self._transport.run(call)
 
     # ---- steps ------------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ class RunContext:
         """The rows given at submit, page by page (never the whole input at once)."""
         page = 0
         while True:
-            rows = (await self._call("runtime_input_page", {"page": page}))["rows"]
+            rows: list[tuple[str, Any]] | None = await self._run(calls.InputPage(page))
             if rows is None:
                 return
             yield [(str(key), value) for key, value in rows]
@@ -250,12 +251,14 @@ class RunContext:
         nothing twice). Returns whether this call appended it."""
         check_event_name(kind)
         key = receipts.step_key(f"$ledger:{kind}", self._steps.seen)
-        answer = await self._call(
-            "append_run_events",
-            {"events": [{"kind": f"play.{kind}", "data": data or {}}]},
-            idempotency_key=f"{self.info.run_id}:{key}",
+        delivered: calls.Delivered = await self._run(
+            calls.AppendRunEvents(
+                key=f"{self.info.run_id}:{key}",
+                owner=self.info.worker_id,
+                kinds_data=[(f"play.{kind}", data or {})],
+            )
         )
-        return bool(answer["appended"])
+        return bool(delivered.appended)
 
     # ---- time, sleep, events ----------------------------------------------------------
 

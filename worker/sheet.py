@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from queues import sheets
+from queues import calls, sheets
 
 if TYPE_CHECKING:
     from worker.context import RunContext
@@ -44,16 +44,10 @@ class Sheet:
         The opt-in travels as the action's name and a rerun admission is the receiver's
         default, so neither flag is sent unless it changes something: a receiver of the
         previous release, which refuses fields it does not define, serves these pages."""
-        action = "runtime_sheet_start_with_intent" if stable_intent else "runtime_sheet_start"
-        payload: dict[str, Any] = {
-            "tableNamespace": self.name,
-            "rows": [{"key": key, "input": value} for key, value in rows],
-        }
-        if self.write_version is not None:
-            payload["writeVersion"] = self.write_version
-        if not pending_rerun_admission:
-            payload["pendingRerunAdmission"] = False
-        result = sheets.AdmitResult.from_wire(await self.ctx._call(action, payload))
+        kind = calls.SheetStartWithIntent if stable_intent else calls.SheetStart
+        result: sheets.AdmitResult = await self.ctx._run(
+            kind(self.name, list(rows), self.write_version, pending_rerun_admission)
+        )
         self.write_version = result.write_version
         return result
 
@@ -64,16 +58,8 @@ class Sheet:
         asks (``raise_on_superseded=True`` or ``result.raise_if_superseded(...)``); the
         receiver's stop signal (``supersededKeys``: the attempt fence refused the page)
         always raises ``SheetSuperseded``, the attempt must stop."""
-        payload: dict[str, Any] = {
-            "tableNamespace": self.name,
-            "rows": [
-                {"key": c.key, "output": c.output, "status": str(c.status)} for c in completions
-            ],
-        }
-        if self.write_version is not None:
-            payload["writeVersion"] = self.write_version
-        result = sheets.CompletionResult.from_wire(
-            await self.ctx._call("runtime_sheet_complete_map_rows", payload)
+        result: sheets.CompletionResult = await self.ctx._run(
+            calls.SheetComplete(self.name, list(completions), self.write_version)
         )
         result.raise_if_stopped(sheet=self.name, run_id=self.ctx.run_id)
         if raise_on_superseded:

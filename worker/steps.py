@@ -14,28 +14,40 @@ import inspect
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from queues import fields, receipts, tracing
+from queues import calls, fields, receipts, tracing
 from queues.errors import OperationRefused
+from queues.receipts import ClaimOutcome, StepRef
 from worker import instruments
 
-Call = Callable[..., Awaitable[Any]]  # a transport's call: (action, payload, **kw) -> answer
+T = TypeVar("T")
+Run = Callable[[calls.Call[Any]], Awaitable[Any]]  # a transport's run (typed call -> answer)
 Hold = Callable[[str], AbstractAsyncContextManager[Any]]  # a limit's permit (ctx.limit)
 
 BUSY_POLL_S = 0.5  # a step another run's live claim holds is asked for again after this
 
 
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to do with a step: its claim, and whether it was decided without one (a step of
+    the run's own scope that settled nowhere yet: executed, then recorded in one call)."""
+
+    claim: receipts.Claim
+    deferred: bool = False
+
+
 class Steps:
     """One attempt's steps: decide each, run its body, record its receipt."""
 
-    def __init__(self, info: Any, call: Call) -> None:
+    def __init__(self, info: Any, run: Run) -> None:
         self.info = info
-        self._call = call
+        self._run = run
         self.seen: dict[str, int] = {}
         # The run scope's receipts that settled before this attempt (loaded at its first
         # step; None until then, or when too many to hold: then every step claims first).
-        self._settled: dict[str, Any] | None = None
+        self._settled: dict[str, tuple[receipts.ReceiptStatus, Any]] | None = None
         self._settled_loaded = False
         self.current_step: str | None = None  # the step executing now (for lag reports)
         self.step_scope: str | None = None  # its scope's name, when not the run's
@@ -52,23 +64,28 @@ class Steps:
         )
         return receipts.idempotency_key(self.info.org, self.info.play, where, name)
 
-    def ref(self, name: str, scope: str | None) -> dict[str, Any]:
-        """The receipt reference of the next step called ``name`` (ordinal suffixed)."""
-        ref: dict[str, Any] = {"stepKey": receipts.step_key(name, self.seen)}
-        if scope is not None:
-            receipts.Scope.named(scope)  # refused here, before anything is sent
-            ref["scope"] = scope
-        return ref
+    def scope(self, scope: str | None) -> receipts.Scope:
+        """A step's scope: the run's own, or a named one (refused here, before anything is
+        sent, when its name is not one)."""
+        if scope is None:
+            return receipts.Scope.of_run(self.info.run_id)
+        return receipts.Scope.named(scope)
 
-    async def claim(self, ref: dict[str, Any]) -> dict[str, Any]:
+    def ref(self, name: str, scope: str | None) -> StepRef:
+        """The receipt reference of the next step called ``name`` (ordinal suffixed)."""
+        key = receipts.step_key(name, self.seen)
+        info = self.info
+        return StepRef(info.org, info.play, self.scope(scope), key, info.fence)
+
+    async def claim(self, ref: StepRef) -> receipts.Claim:
         """Claim a step's receipt; wait while another run's live claim holds it."""
         while True:
-            claim: dict[str, Any] = await self._call("runtime_receipt_claim", dict(ref))
-            if claim["outcome"] != receipts.ClaimOutcome.BUSY:
+            claim: receipts.Claim = await self._run(calls.ReceiptClaim(ref))
+            if claim.outcome != ClaimOutcome.BUSY:
                 return claim
             await asyncio.sleep(BUSY_POLL_S)  # another live attempt holds the step's lease
 
-    async def begin(self, ref: dict[str, Any]) -> dict[str, Any]:
+    async def begin(self, ref: StepRef) -> Decision:
         """Decide a step: replay it, skip it, or execute it (``deferred``: not yet claimed).
 
         A step in the run's own scope is not claimed before it runs. Its claim would keep
@@ -82,34 +99,34 @@ class Steps:
         claim-and-complete in one fenced statement) instead of two. A named scope keeps its
         claim: there it keeps other runs out, until the step settles or the lease lapses.
         """
-        if "scope" not in ref:
+        if ref.scope == receipts.Scope.of_run(self.info.run_id):
             if not self._settled_loaded:
                 self._settled_loaded = True
                 with contextlib.suppress(OperationRefused):  # an older gateway: claim each
-                    got = await self._call("runtime_receipts_settled", {})
-                    self._settled = got["receipts"] if got["complete"] else None
+                    got: receipts.Settled = await self._run(calls.ReceiptsSettled(ref.scope))
+                    self._settled = got.receipts if got.complete else None
             if self._settled is not None:
-                known = self._settled.get(ref["stepKey"])
+                known = self._settled.get(ref.step_key)
                 if known is None:
-                    return {"outcome": receipts.ClaimOutcome.EXECUTE, "deferred": True}
+                    return Decision(receipts.Claim(ClaimOutcome.EXECUTE, ref.step_key), True)
+                status, result = known
                 outcome = (
-                    receipts.ClaimOutcome.REPLAY
-                    if known["status"] == receipts.ReceiptStatus.COMPLETED
-                    else receipts.ClaimOutcome.SKIPPED
+                    ClaimOutcome.REPLAY
+                    if status == receipts.ReceiptStatus.COMPLETED
+                    else ClaimOutcome.SKIPPED
                 )
-                return {"outcome": outcome, "result": known["result"]}
-        return await self.claim(ref)
+                return Decision(receipts.Claim(outcome, ref.step_key, result=result))
+        return Decision(await self.claim(ref))
 
-    async def complete(self, ref: dict[str, Any], claim: dict[str, Any], value: Any) -> Any:
+    async def complete(self, ref: StepRef, decided: Decision, value: Any) -> Any:
         """Record an executed step's result; returns it as stored (what a replay returns)."""
-        if not claim.get("deferred"):
-            done = await self._call("runtime_receipt_complete", {**ref, "result": value})
-            return done["result"]
-        recorded = await self._call("runtime_receipt_record", {**ref, "result": value})
-        if recorded["outcome"] == receipts.ClaimOutcome.BUSY:
+        if not decided.deferred:
+            return await self._run(calls.ReceiptComplete(ref, value))
+        recorded: receipts.Claim = await self._run(calls.ReceiptRecord(ref, value))
+        if recorded.outcome == ClaimOutcome.BUSY:
             # Only another run's live claim is busy, and none is ever in this run's scope.
-            raise RuntimeError(f"step {ref['stepKey']!r} of the run's own scope is held")
-        return recorded["result"]
+            raise RuntimeError(f"step {ref.step_key!r} of the run's own scope is held")
+        return recorded.result
 
     async def step(
         self,
@@ -129,25 +146,31 @@ class Steps:
         info = self.info
         attributes = tracing.run_attributes(
             run_id=info.run_id, attempt=info.attempt, play=info.play, lane=info.lane
-        ) | {"wq.step": ref["stepKey"]}
+        ) | {"wq.step": ref.step_key}
         # A child of the attempt's span: one trace from the submit through every step.
         with tracing.span("wq.step", attributes=attributes) as span:
-            claim = await self.begin(ref)
-            tracing.annotate(span, step_outcome=str(claim["outcome"]))
-            if claim["outcome"] == receipts.ClaimOutcome.REPLAY:
-                return claim["result"]
-            if claim["outcome"] == receipts.ClaimOutcome.SKIPPED:
+            decided = await self.begin(ref)
+            outcome = decided.claim.outcome
+            tracing.annotate(span, step_outcome=str(outcome))
+            if outcome == ClaimOutcome.REPLAY:
+                return decided.claim.result
+            if outcome == ClaimOutcome.SKIPPED:
                 return None
             if limit is None:
-                return await self._execute(ref, claim, fn, args)
+                return await self._execute(ref, scope, decided, fn, args)
             async with hold(limit):
-                return await self._execute(ref, claim, fn, args)
+                return await self._execute(ref, scope, decided, fn, args)
 
     async def _execute(
-        self, ref: dict[str, Any], claim: dict[str, Any], fn: Callable[..., Any], args: Any
+        self,
+        ref: StepRef,
+        scope: str | None,
+        decided: Decision,
+        fn: Callable[..., Any],
+        args: Any,
     ) -> Any:
         """Run a claimed step's body and record its receipt (completed or failed)."""
-        self.current_step, self.step_scope = ref["stepKey"], ref.get("scope")
+        self.current_step, self.step_scope = ref.step_key, scope
         started = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):
@@ -159,53 +182,48 @@ class Steps:
         except Exception as exc:
             instruments.step_finished(self.info.play, "failed", time.perf_counter() - started)
             error = {"type": type(exc).__name__, "message": str(exc)}
-            if claim.get("deferred"):
+            claim = decided.claim
+            if decided.deferred:
                 # A failure is recorded against a claim: take it now (ours, under the lease).
                 claim = await self.claim(ref)
-            if claim["outcome"] == receipts.ClaimOutcome.EXECUTE:
-                await self._call("runtime_receipt_fail", {**ref, "error": error})
+            if claim.outcome == ClaimOutcome.EXECUTE:
+                await self._run(calls.ReceiptFail(ref, error))
             raise
         finally:
             self.current_step = self.step_scope = None
         instruments.step_finished(self.info.play, "completed", time.perf_counter() - started)
         self._suspects(1)
         # The value as stored (tuples become lists): a replay returns the same thing.
-        return await self.complete(ref, claim, value)
+        return await self.complete(ref, decided, value)
 
     async def checkpoint(self, name: str, value: Callable[[], Any]) -> Any:
         """A step of the runtime's own whose value is cheap to compute (no thread)."""
         ref = self.ref(name, None)
-        claim = await self.begin(ref)
-        if claim["outcome"] == receipts.ClaimOutcome.REPLAY:
-            return claim["result"]
-        return await self.complete(ref, claim, value())
+        decided = await self.begin(ref)
+        if decided.claim.outcome == ClaimOutcome.REPLAY:
+            return decided.claim.result
+        return await self.complete(ref, decided, value())
 
     async def skip(self, name: str, scope: str | None) -> bool:
         ref = self.ref(name, scope)
         claim = await self.claim(ref)
-        if claim["outcome"] != receipts.ClaimOutcome.EXECUTE:
-            return bool(claim["outcome"] == receipts.ClaimOutcome.SKIPPED)
-        await self._call("runtime_receipt_skip", ref)
+        if claim.outcome != ClaimOutcome.EXECUTE:
+            return bool(claim.outcome == ClaimOutcome.SKIPPED)
+        await self._run(calls.ReceiptSkip(ref))
         return True
 
     async def done(self, keys: Sequence[str], scope: str | None) -> dict[str, Any]:
-        payload: dict[str, Any] = {"keys": list(keys)}
-        if scope is not None:
-            payload["scope"] = scope
-        found: dict[str, Any] = (await self._call("runtime_receipts_lookup", payload))["results"]
+        found: dict[str, Any] = await self._run(calls.ReceiptsLookup(self.scope(scope), list(keys)))
         return found
 
     async def complete_page(
         self, results: Sequence[tuple[str, Any]], scope: str | None
     ) -> receipts.PageCompletion:
-        payload: dict[str, Any] = {"results": [[key, value] for key, value in results]}
-        if scope is not None:
-            payload["scope"] = scope
-        page = await self._call("runtime_receipts_complete", payload)
-        self._suspects(len(page["completed"]))
-        return receipts.PageCompletion(
-            completed=page["completed"], already=page["already"], busy=page["busy"]
+        page: receipts.PageCompletion = await self._run(
+            calls.ReceiptsComplete(self.scope(scope), list(results))
         )
+        self._suspects(len(page.completed))
+        return page
 
     def _suspects(self, executed: int) -> None:
         """Count the first steps a resumed attempt executed as duplicate suspects: the

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from queues import children, fields, receipts
+from queues import calls, children, fields, limits, receipts, runs
 from queues.errors import InvalidField
 from queues.options import RunOptions
 from worker.endings import Fatal
-from worker.steps import Call, Steps
+from worker.steps import Run, Steps
 
 EVENT_NAME_MAX = 200
 
@@ -93,15 +93,16 @@ class EventResult:
 class Waits:
     """One attempt's sleeps, event waits and emits, limit permits and child runs."""
 
-    def __init__(self, info: Any, call: Call, steps: Steps, log: Callable[[], Any]) -> None:
+    def __init__(self, info: Any, run: Run, steps: Steps, log: Callable[[], Any]) -> None:
         self.info = info
-        self._call = call
+        self._run = run
         self._steps = steps
         self._log = log
         self._holds = 0  # permits of shared limits taken by this attempt (their names)
 
     async def now(self) -> datetime:
-        return datetime.fromisoformat((await self._call("runtime_now", {}))["now"])
+        now: datetime = await self._run(calls.Now())
+        return now
 
     async def sleep(self, seconds: float) -> None:
         """Suspend the run durably for ``seconds``; it leaves the worker meanwhile."""
@@ -145,18 +146,18 @@ class Waits:
         deadline = datetime.fromisoformat(deadline_iso) if deadline_iso else None
         ref = self._steps.ref(f"$event:{name}", None)
         claim = await self._steps.claim(ref)
-        if claim["outcome"] == receipts.ClaimOutcome.REPLAY:
-            return _event_result(name, claim["result"])
-        got = await self._call("runtime_event_get", {"name": name})
-        if got["found"]:
-            outcome: dict[str, Any] | None = {"received": True, "payload": got["payload"]}
+        if claim.outcome == receipts.ClaimOutcome.REPLAY:
+            return _event_result(name, claim.result)
+        got: calls.EventFound = await self._run(calls.EventGet(name))
+        if got.found:
+            outcome: dict[str, Any] | None = {"received": True, "payload": got.payload}
         elif deadline is not None and await self.now() >= deadline:
             outcome = {"received": False}
         else:
             outcome = None
         if outcome is not None:
-            done = await self._call("runtime_receipt_complete", {**ref, "result": outcome})
-            return _event_result(name, done["result"])
+            done = await self._run(calls.ReceiptComplete(ref, outcome))
+            return _event_result(name, done)
         raise Suspend(deadline, event=name)
 
     async def emit(self, name: str, payload: Any = None) -> int:
@@ -168,11 +169,11 @@ class Waits:
         check_event_name(name)
         ref = self._steps.ref(f"$emit:{name}", None)
         claim = await self._steps.claim(ref)
-        if claim["outcome"] == receipts.ClaimOutcome.REPLAY:
+        if claim.outcome == receipts.ClaimOutcome.REPLAY:
             return 0
-        emitted = await self._call("runtime_event_emit", {"name": name, "payload": payload})
-        await self._call("runtime_receipt_complete", {**ref, "result": emitted})
-        return int(emitted["woken"])
+        emitted: runs.Emitted = await self._run(calls.EventEmit(name, payload))
+        await self._run(calls.ReceiptComplete(ref, {"woken": emitted.woken}))
+        return int(emitted.woken)
 
     # ---- rate limits ------------------------------------------------------------------
 
@@ -198,13 +199,11 @@ class Waits:
         waited = 0.0
         backoff = LIMIT_BUSY_POLL_S
         while True:
-            permit: dict[str, Any] = await self._call(
-                "runtime_limit_acquire", {"key": key, "hold": hold}
-            )
-            if permit["granted"]:
+            permit: limits.Permit = await self._run(calls.LimitAcquire(key, hold))
+            if permit.granted:
                 break
-            if permit["waitSeconds"] is not None:
-                wait = float(permit["waitSeconds"])
+            if permit.wait_s is not None:
+                wait = float(permit.wait_s)
             else:  # at its concurrency cap: ask again, backing off
                 wait, backoff = backoff, min(backoff * 2, LIMIT_BUSY_MAX_S)
             if waited + wait > hand_back_after:
@@ -214,12 +213,13 @@ class Waits:
             await asyncio.sleep(wait)
             waited += wait
         try:
-            yield Permit(key=key, at=datetime.fromisoformat(permit["at"]), waited_s=waited)
+            assert permit.at is not None  # a grant is made at the database's time
+            yield Permit(key=key, at=permit.at, waited_s=waited)
         finally:
-            if permit["held"]:
+            if permit.held:
                 # A stale attempt's release is refused (and its permit stopped counting).
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(self._call("runtime_limit_release", {"hold": hold}))
+                    await asyncio.shield(self._run(calls.LimitRelease(hold)))
 
     # ---- child runs -------------------------------------------------------------------
 
@@ -246,29 +246,11 @@ class Waits:
         options = RunOptions.checked(
             max_attempts=max_attempts, retry=retry, timeout=timeout, start_by=start_by, meta=meta
         )
-        wire: dict[str, Any] = {
-            k: v
-            for k, v in {
-                "max_attempts": options.max_attempts,
-                "retry": str(options.retry) if options.retry else None,
-                "timeout": options.timeout_s,
-                "start_by": options.start_by.isoformat() if options.start_by else None,
-                "meta": options.meta,
-            }.items()
-            if v is not None
-        }
         ref = self._steps.ref(key or f"$spawn:{play}", None)
-        got = await self._call(
-            "runtime_run_spawn",
-            {
-                "stepKey": ref["stepKey"],
-                "play": play,
-                "params": dict(params or {}),
-                "options": wire,
-                "priority": priority,
-            },
+        spawned: children.Spawned = await self._run(
+            calls.RunSpawn(ref.step_key, play, dict(params or {}), options, priority)
         )
-        return uuid.UUID(got["runId"])
+        return spawned.run_id
 
     async def wait_for_run(self, run_id: uuid.UUID | str, *, timeout: float | None = None) -> Any:
         """Wait durably for a child run (``ctx.spawn``'s id) to end: returns its result, or
@@ -287,21 +269,21 @@ class Waits:
         deadline = datetime.fromisoformat(deadline_iso) if deadline_iso else None
         ref = self._steps.ref(f"$run:{rid}", None)
         claim = await self._steps.claim(ref)
-        if claim["outcome"] == receipts.ClaimOutcome.REPLAY:
-            return _child_outcome(rid, claim["result"])
-        child = await self._call("runtime_run_get", {"childId": str(rid)})
-        if child["terminal"]:
+        if claim.outcome == receipts.ClaimOutcome.REPLAY:
+            return _child_outcome(rid, claim.result)
+        child: children.Child = await self._run(calls.RunGet(rid))
+        if child.terminal:
             outcome: dict[str, Any] = {
-                "state": child["state"],
-                "result": child["result"],
-                "error": child["error"],
+                "state": child.state,
+                "result": child.result,
+                "error": child.error,
             }
         elif deadline is not None and await self.now() >= deadline:
             outcome = {"state": None, "timed_out": True}
         else:
             raise Suspend(deadline, event=children.ended_event(rid))
-        done = await self._call("runtime_receipt_complete", {**ref, "result": outcome})
-        return _child_outcome(rid, done["result"])
+        done = await self._run(calls.ReceiptComplete(ref, outcome))
+        return _child_outcome(rid, done)
 
 
 def _child_outcome(run_id: uuid.UUID, recorded: Any) -> Any:
