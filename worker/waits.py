@@ -105,13 +105,13 @@ class Waits:
         return now
 
     async def sleep(self, seconds: float) -> None:
-        """Suspend the run durably for ``seconds``; it leaves the worker meanwhile."""
+        """``ctx.sleep``."""
         _check_seconds(seconds, "seconds")
         now = await self.now()
         await self._sleep_until_recorded((now + timedelta(seconds=seconds)).isoformat)
 
     async def sleep_until(self, when: datetime) -> None:
-        """Suspend the run durably until ``when`` (a timezone-aware datetime)."""
+        """``ctx.sleep_until``."""
         if not isinstance(when, datetime) or when.tzinfo is None:
             raise InvalidField(
                 f"sleep_until needs a timezone-aware datetime, got {when!r:.80}",
@@ -128,13 +128,7 @@ class Waits:
         raise Suspend(wake_at)
 
     async def wait_for_event(self, name: str, *, timeout: float | None = None) -> EventResult:
-        """Wait durably for an event of this run's org; returns what happened.
-
-        The latest emit of ``name`` in the run's org since the run was admitted wakes it
-        (an emit racing the wait is never lost). With ``timeout`` (seconds, durable across
-        attempts) a wait that sees no emit in time returns ``timed_out``. The outcome is
-        recorded, so a later attempt replays the same result.
-        """
+        """``ctx.wait_for_event``: its outcome is recorded, a later attempt replays it."""
         check_event_name(name)
         if timeout is not None:
             _check_seconds(timeout, "timeout")
@@ -161,11 +155,7 @@ class Waits:
         raise Suspend(deadline, event=name)
 
     async def emit(self, name: str, payload: Any = None) -> int:
-        """Emit an event of this run's org (fenced: a stale attempt's emit is refused).
-
-        Recorded as a step, so a retried attempt does not emit again once it has; returns
-        how many waiting runs it woke (0 on a replay).
-        """
+        """``ctx.emit``: recorded as a step, so a retried attempt does not emit again."""
         check_event_name(name)
         ref = self._steps.ref(f"$emit:{name}", None)
         claim = await self._steps.claim(ref)
@@ -181,17 +171,7 @@ class Waits:
     async def limit(
         self, key: str, *, hand_back_after: float = HAND_BACK_AFTER_S
     ) -> AsyncIterator[Permit]:
-        """Hold one permit of the shared limit ``key`` (``worker limits set``) for the block
-        (``async with ctx.limit("clearbit") as permit:``; ``permit.at`` is the database's
-        time of the grant).
-
-        Waiting for it never holds the lease hostage: the heartbeat goes on meanwhile, and
-        once the wait would pass ``hand_back_after`` seconds in all, the run is handed back
-        durably (it sleeps until the permit should be due, leaving its worker slot free,
-        and re-enters the play then; completed steps replay). A permit under a concurrency
-        cap is released when the block ends; one of a stopped attempt stops counting when
-        its attempt does.
-        """
+        """``ctx.limit``: a permit for the block; a long wait hands the run back."""
         fields.limit_key(key, field="key")
         _check_seconds(hand_back_after, "hand_back_after")
         self._holds += 1
@@ -236,11 +216,7 @@ class Waits:
         start_by: datetime | float | str | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> uuid.UUID:
-        """Admit a child run of ``play`` with ``params``, atomically with this step (named
-        ``key``, default ``$spawn:<play>``, ordinal-suffixed like any step): a retry of
-        this run replays the step and gets the same child; it never spawns a second. The
-        child runs on this run's lane and release, in its org, with its own options (the
-        lane's policy otherwise). Returns the child's run id."""
+        """``ctx.spawn``: the child is admitted atomically with its step."""
         fields.play_name(play)
         fields.priority(priority)
         options = RunOptions.checked(
@@ -253,11 +229,7 @@ class Waits:
         return spawned.run_id
 
     async def wait_for_run(self, run_id: uuid.UUID | str, *, timeout: float | None = None) -> Any:
-        """Wait durably for a child run (``ctx.spawn``'s id) to end: returns its result, or
-        raises :class:`ChildFailed` (it failed or was cancelled). Meanwhile this run leaves
-        the worker (it sleeps until the child's end wakes it). With ``timeout`` (seconds,
-        durable across attempts) a child still running at the deadline raises
-        :class:`WaitTimedOut`. The outcome is recorded: a later attempt replays it."""
+        """``ctx.wait_for_run``: the outcome is recorded as a step, replayed by a later attempt."""
         rid = uuid.UUID(str(run_id))
         if timeout is not None:
             _check_seconds(timeout, "timeout")
