@@ -81,13 +81,7 @@ async def spawn(
     fields.priority(priority)
     encoded = admission.encode_params(params)
     scope = receipts.Scope.of_run(fence.run_id)
-    ref: dict[str, Any] = {
-        "org": org,
-        "play": parent_play,
-        "scope": scope,
-        "step_key": step_key,
-        "fence": fence,
-    }
+    ref = receipts.StepRef(org, parent_play, scope, step_key, fence)
     refusal: FenceError | None = None
     async with conn.transaction():
         try:
@@ -110,17 +104,15 @@ def _spawned(recorded: object) -> uuid.UUID | None:
 
 async def _spawn(
     conn: psycopg.AsyncConnection[Any],
-    ref: dict[str, Any],
+    ref: receipts.StepRef,
     play: str,
     encoded: str,
     options: RunOptions,
     priority: int,
     release: str,
 ) -> Spawned:
-    fence: Fence = ref["fence"]
-    org: str = ref["org"]
-    step_key: str = ref["step_key"]
-    claim = await receipts.claim(conn, **ref, lease_s=receipts.STEP_LEASE_S)
+    fence, org, step_key = ref.fence, ref.org, ref.step_key
+    claim = await receipts.claim(conn, ref, lease_s=receipts.STEP_LEASE_S)
     if claim.outcome == receipts.ClaimOutcome.REPLAY and (found := _spawned(claim.result)):
         return Spawned(run_id=found, created=False)
     if claim.outcome != receipts.ClaimOutcome.EXECUTE:  # another step's receipt, not a spawn
@@ -164,7 +156,7 @@ async def _spawn(
         existing = await cur.fetchone()
         assert existing is not None, f"child key {key!r} conflicts with another run"
         created_id = existing[0]
-    await receipts.complete(conn, **ref, result={"run_id": str(created_id), "play": play})
+    await receipts.complete(conn, ref, result={"run_id": str(created_id), "play": play})
     return Spawned(run_id=created_id, created=created_id == child_id)
 
 

@@ -2,11 +2,13 @@
 
 Everything a play does to run state is a named **action** (the reference runtime's wire
 names: ``runtime_sheet_start``, ``runtime_sheet_start_with_intent``, ...). :data:`ACTIONS`
-is the one declarative table of every action, the capability it needs and the handler
-that serves it; :func:`capability_for_request` is the one policy that decides a request's
-capability; :func:`dispatch` is the one receiver. The in-process run context calls it
-directly with its attempt's claims; the gateway calls it with a verified token's claims.
-So there is one path, and every write is fenced by the claims' attempt in its SQL.
+is the one declarative table of every action, the capability it needs and the codec
+that turns its wire dicts into the typed call (:mod:`queues.calls`) and the call's answer
+back; :func:`capability_for_request` is the one policy that decides a request's
+capability. :func:`dispatch` is the wire's receiver (the gateway's, with a verified
+token's claims); :func:`perform` runs a typed call in process with the attempt's claims,
+under the same policy. Both run the same call, and every write is fenced by the claims'
+attempt in its SQL.
 
 A receiver refuses, in this order, and never guesses:
 
@@ -37,31 +39,28 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
-from psycopg.types.json import Jsonb
 
-from queues import children, fields, limits, policy, receipts, runs, sheets
+from queues import calls, children, fields, limits, policy, receipts, runs, sheets
 from queues.authority import LEDGER_PROJECT, Claims
 from queues.errors import (
     CapabilityScope,
     InvalidField,
     OperationRefused,
     RunScope,
-    StaleAttempt,
     did_you_mean,
 )
 from queues.fence import refused
 from queues.options import RunOptions
-from queues.queries import q
 
 AsyncConn = psycopg.AsyncConnection[Any]
 Input = Mapping[str, Any]
-Handler = Callable[[AsyncConn, Input, Claims], Awaitable[dict[str, Any]]]
+T = TypeVar("T")
 
 SHEET_WRITE = "sheet.write"
 RECEIPT_WRITE = "receipt.write"
@@ -100,7 +99,7 @@ MAX_INTEGER = 2**31 - 1
 class Action:
     name: str
     capability: str
-    handler: Handler
+    codec: Codec
     required: frozenset[str] = frozenset()
     optional: frozenset[str] = frozenset()
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -113,8 +112,29 @@ class Action:
     def fields(self) -> frozenset[str]:
         return self.required | self.optional
 
+    @property
+    def doc(self) -> str | None:
+        """What the action does: its typed call's docstring (:mod:`queues.calls`)."""
+        kind = calls.BY_ACTION.get(self.name)
+        doc = kind.__doc__ if kind is not None else None
+        if kind is None or doc is None or doc.startswith(f"{kind.__name__}("):
+            return None  # no docstring of its own (a dataclass's generated signature)
+        return doc
 
-# ---- handlers (each fenced by the claims' attempt in its own SQL) --------------------------
+
+# ---- codecs: the wire's dicts <-> the typed calls (queues.calls) ----------------------------
+#
+# One codec per action. The gateway decodes a request's input into the typed call and
+# encodes the call's answer back; a client of the gateway (a sandboxed play) does the
+# reverse with ``wire`` and ``answer``. The in-process path never meets a dict.
+
+
+@dataclass(frozen=True, slots=True)
+class Codec:
+    decode: Callable[[Request, Claims], calls.Call[Any]]  # a request's input -> the call
+    encode: Callable[[Any], dict[str, Any]]  # the call's answer -> the wire's answer
+    wire: Callable[[Any], dict[str, Any]]  # the call -> the wire's input
+    answer: Callable[[Mapping[str, Any]], Any]  # the wire's answer -> the call's answer
 
 
 def _scope(claims: Claims, value: object) -> receipts.Scope:
@@ -130,19 +150,32 @@ def _scope(claims: Claims, value: object) -> receipts.Scope:
     return receipts.Scope.named(value)
 
 
-def _ref(claims: Claims, p: Input) -> dict[str, Any]:
-    return {
-        "org": claims.org,
-        "play": claims.play,
-        "scope": _scope(claims, p.get("scope")),
-        "step_key": p["stepKey"],
-        "fence": claims.fence,
-    }
+def _ref(r: Request, claims: Claims) -> receipts.StepRef:
+    """The step a request names, in the claims' run: their org, play and fence."""
+    p = r.input
+    return receipts.StepRef(
+        claims.org, claims.play, _scope(claims, p.get("scope")), p["stepKey"], claims.fence
+    )
 
 
-async def _receipt_claim(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    lease_s = float(p.get("leaseSeconds") or receipts.STEP_LEASE_S)
-    claim = await receipts.claim(conn, **_ref(claims, p), lease_s=lease_s)
+def _scope_wire(scope: receipts.Scope) -> dict[str, Any]:
+    """A scope on the wire: a named scope by its name; the run's own scope is absent."""
+    return {} if scope.key.startswith("run:") else {"scope": scope.key}
+
+
+def _ref_wire(ref: receipts.StepRef) -> dict[str, Any]:
+    return {"stepKey": ref.step_key, **_scope_wire(ref.scope)}
+
+
+def _none(answer: object) -> dict[str, Any]:
+    return {}
+
+
+def _nothing(answer: Mapping[str, Any]) -> None:
+    return None
+
+
+def _claim_answer(claim: receipts.Claim) -> dict[str, Any]:
     return {
         "outcome": claim.outcome.value,
         "stepKey": claim.step_key,
@@ -153,19 +186,50 @@ async def _receipt_claim(conn: AsyncConn, p: Input, claims: Claims) -> dict[str,
     }
 
 
-async def _receipt_complete(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return {"result": await receipts.complete(conn, **_ref(claims, p), result=p.get("result"))}
+def _claim_of(a: Mapping[str, Any]) -> receipts.Claim:
+    lease, owner = a.get("leaseExpiresAt"), a.get("ownerRun")
+    return receipts.Claim(
+        receipts.ClaimOutcome(a["outcome"]),
+        a["stepKey"],
+        result=a.get("result"),
+        lease_expires_at=datetime.fromisoformat(lease) if lease else None,
+        owner_run=uuid.UUID(owner) if owner else None,
+        owner_attempt=a.get("ownerAttempt"),
+    )
 
 
-async def _receipt_record(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    done = await receipts.record(conn, **_ref(claims, p), result=p.get("result"))
+def _decode_claim(r: Request, claims: Claims) -> calls.ReceiptClaim:
+    lease_s = float(r.input.get("leaseSeconds") or receipts.STEP_LEASE_S)
+    return calls.ReceiptClaim(_ref(r, claims), lease_s)
+
+
+def _wire_claim(c: calls.ReceiptClaim) -> dict[str, Any]:
+    lease = {} if c.lease_s == receipts.STEP_LEASE_S else {"leaseSeconds": c.lease_s}
+    return _ref_wire(c.ref) | lease
+
+
+RECEIPT_CLAIM = Codec(_decode_claim, _claim_answer, _wire_claim, _claim_of)
+RECEIPT_COMPLETE = Codec(
+    lambda r, claims: calls.ReceiptComplete(_ref(r, claims), r.input.get("result")),
+    lambda result: {"result": result},
+    lambda c: _ref_wire(c.ref) | {"result": c.result},
+    lambda a: a["result"],
+)
+
+
+def _record_answer(done: receipts.Claim) -> dict[str, Any]:
     return {"outcome": done.outcome.value, "stepKey": done.step_key, "result": done.result}
 
 
-async def _receipts_settled(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    found = await receipts.settled(
-        conn, org=claims.org, play=claims.play, scope=_scope(claims, p.get("scope"))
-    )
+RECEIPT_RECORD = Codec(
+    lambda r, claims: calls.ReceiptRecord(_ref(r, claims), r.input.get("result")),
+    _record_answer,
+    lambda c: _ref_wire(c.ref) | {"result": c.result},
+    lambda a: receipts.Claim(receipts.ClaimOutcome(a["outcome"]), a["stepKey"], a.get("result")),
+)
+
+
+def _settled_answer(found: receipts.Settled) -> dict[str, Any]:
     return {
         "complete": found.complete,
         "receipts": {
@@ -175,87 +239,136 @@ async def _receipts_settled(conn: AsyncConn, p: Input, claims: Claims) -> dict[s
     }
 
 
-async def _receipt_fail(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    error = p.get("error")
+def _settled_of(a: Mapping[str, Any]) -> receipts.Settled:
+    return receipts.Settled(
+        {
+            key: (receipts.ReceiptStatus(v["status"]), v["result"])
+            for key, v in a["receipts"].items()
+        },
+        complete=bool(a["complete"]),
+    )
+
+
+RECEIPTS_SETTLED = Codec(
+    lambda r, claims: calls.ReceiptsSettled(_scope(claims, r.input.get("scope"))),
+    _settled_answer,
+    lambda c: _scope_wire(c.scope),
+    _settled_of,
+)
+
+
+def _decode_fail(r: Request, claims: Claims) -> calls.ReceiptFail:
+    error = r.input.get("error")
     if not isinstance(error, Mapping):
         raise InvalidField(
             "error must be an object", field="input.error", rule="a JSON object", fix="send one"
         )
-    await receipts.fail(conn, **_ref(claims, p), error=error)
-    return {}
+    return calls.ReceiptFail(_ref(r, claims), error)
 
 
-async def _receipt_skip(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    await receipts.skip(conn, **_ref(claims, p))
-    return {}
+RECEIPT_FAIL = Codec(_decode_fail, _none, lambda c: _ref_wire(c.ref) | {"error": c.error}, _nothing)
+RECEIPT_SKIP = Codec(
+    lambda r, claims: calls.ReceiptSkip(_ref(r, claims)),
+    _none,
+    lambda c: _ref_wire(c.ref),
+    _nothing,
+)
 
 
-async def _receipts_complete(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
+def _decode_page(r: Request, claims: Claims) -> calls.ReceiptsComplete:
     pairs = [
         (_text(item, f"results[{i}][0]"), value)
-        for i, (item, value) in enumerate(_pairs(p["results"], "results"))
+        for i, (item, value) in enumerate(_pairs(r.input["results"], "results"))
     ]
-    page = await receipts.complete_many(
-        conn,
-        org=claims.org,
-        play=claims.play,
-        scope=_scope(claims, p.get("scope")),
-        fence=claims.fence,
-        results=pairs,
-    )
+    return calls.ReceiptsComplete(_scope(claims, r.input.get("scope")), pairs)
+
+
+def _page_answer(page: receipts.PageCompletion) -> dict[str, Any]:
     return {"completed": page.completed, "already": page.already, "busy": page.busy}
 
 
-async def _receipts_lookup(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    keys = [_text(k, f"keys[{i}]") for i, k in enumerate(_list(p["keys"], "keys"))]
-    found = await receipts.lookup_many(
-        conn, org=claims.org, play=claims.play, scope=_scope(claims, p.get("scope")), keys=keys
-    )
-    return {"results": found}
+RECEIPTS_COMPLETE = Codec(
+    _decode_page,
+    _page_answer,
+    lambda c: {"results": [[key, value] for key, value in c.results]} | _scope_wire(c.scope),
+    lambda a: receipts.PageCompletion(
+        completed=a["completed"], already=a["already"], busy=a["busy"]
+    ),
+)
 
 
-async def _sheet_start(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _admit(conn, p, claims, stable_intent=False)
+def _decode_lookup(r: Request, claims: Claims) -> calls.ReceiptsLookup:
+    keys = [_text(k, f"keys[{i}]") for i, k in enumerate(_list(r.input["keys"], "keys"))]
+    return calls.ReceiptsLookup(_scope(claims, r.input.get("scope")), keys)
 
 
-async def _sheet_start_with_intent(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _admit(conn, p, claims, stable_intent=True)
+RECEIPTS_LOOKUP = Codec(
+    _decode_lookup,
+    lambda found: {"results": found},
+    lambda c: {"keys": list(c.keys)} | _scope_wire(c.scope),
+    lambda a: a["results"],
+)
 
 
-async def _admit(
-    conn: AsyncConn, p: Input, claims: Claims, *, stable_intent: bool
-) -> dict[str, Any]:
+def _admission(stable_intent: bool) -> Callable[[Request, Claims], calls.SheetStart]:
     """An admission page. The action says whether it is under the run's stable intent;
     ``stableWriteIntent``, which the reference's client sends too, may only agree with it
     (its opt-in travels as the action, so an older receiver refuses it instead of ignoring
     it). ``pendingRerunAdmission`` (absent: true) re-admits pending rows of older versions."""
-    asked = p.get("stableWriteIntent")
-    if asked is not None and asked is not stable_intent:
-        other = "runtime_sheet_start" if stable_intent else "runtime_sheet_start_with_intent"
-        raise InvalidField(
-            f"stableWriteIntent is {str(asked).lower()} in an admission under "
-            f"{'the' if stable_intent else 'no'} stable write intent",
-            field="input.stableWriteIntent",
-            rule="true (or absent) with runtime_sheet_start_with_intent, false (or absent) "
-            "with runtime_sheet_start",
-            fix=f"send the page as {other}, or drop stableWriteIntent",
+
+    def decode(r: Request, claims: Claims) -> calls.SheetStart:
+        p = r.input
+        asked = p.get("stableWriteIntent")
+        if asked is not None and asked is not stable_intent:
+            other = "runtime_sheet_start" if stable_intent else "runtime_sheet_start_with_intent"
+            raise InvalidField(
+                f"stableWriteIntent is {str(asked).lower()} in an admission under "
+                f"{'the' if stable_intent else 'no'} stable write intent",
+                field="input.stableWriteIntent",
+                rule="true (or absent) with runtime_sheet_start_with_intent, false (or absent) "
+                "with runtime_sheet_start",
+                fix=f"send the page as {other}, or drop stableWriteIntent",
+            )
+        kind = calls.SheetStartWithIntent if stable_intent else calls.SheetStart
+        return kind(
+            p["tableNamespace"],
+            _rows(p["rows"]),
+            write_version=_optional_int(p.get("writeVersion"), "writeVersion"),
+            pending_rerun_admission=p.get("pendingRerunAdmission") is not False,
         )
-    result = await sheets.admit_page(
-        conn,
-        org=claims.org,
-        sheet=p["tableNamespace"],
-        fence=claims.fence,
-        rows=_rows(p["rows"]),
-        write_version=_optional_int(p.get("writeVersion"), "writeVersion"),
-        stable_intent=stable_intent,
-        pending_rerun_admission=p.get("pendingRerunAdmission") is not False,
-    )
+
+    return decode
+
+
+def _wire_admission(c: calls.SheetStart) -> dict[str, Any]:
+    """A page as the reference's client sends it. The opt-in travels as the action's name
+    and a rerun admission is the receiver's default, so neither flag is sent unless it
+    changes something: a receiver of the previous release, which refuses fields it does
+    not define, serves these pages."""
+    wire: dict[str, Any] = {
+        "tableNamespace": c.sheet,
+        "rows": [{"key": key, "input": value} for key, value in c.rows],
+    }
+    if c.write_version is not None:
+        wire["writeVersion"] = c.write_version
+    if not c.pending_rerun_admission:
+        wire["pendingRerunAdmission"] = False
+    return wire
+
+
+def _to_wire(result: sheets.AdmitResult | sheets.CompletionResult) -> dict[str, Any]:
     return result.to_wire()
 
 
-async def _sheet_complete(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
+SHEET_START = Codec(_admission(False), _to_wire, _wire_admission, sheets.AdmitResult.from_wire)
+SHEET_START_WITH_INTENT = Codec(
+    _admission(True), _to_wire, _wire_admission, sheets.AdmitResult.from_wire
+)
+
+
+def _decode_completion(r: Request, claims: Claims) -> calls.SheetComplete:
     completions = []
-    for index, item in enumerate(_list(p["rows"], "rows")):
+    for index, item in enumerate(_list(r.input["rows"], "rows")):
         where = f"rows[{index}]"
         _check_fields(_mapping(item, where), frozenset({"key", "output", "status"}), {"key"}, where)
         try:
@@ -268,49 +381,66 @@ async def _sheet_complete(conn: AsyncConn, p: Input, claims: Claims) -> dict[str
                 fix="complete rows as done or failed",
             ) from None
         completions.append(sheets.RowCompletion(item["key"], item.get("output"), status))
-    result = await sheets.complete_page(
-        conn,
-        org=claims.org,
-        sheet=p["tableNamespace"],
-        fence=claims.fence,
-        write_version=_optional_int(p.get("writeVersion"), "writeVersion"),
-        completions=completions,
+    return calls.SheetComplete(
+        r.input["tableNamespace"],
+        completions,
+        write_version=_optional_int(r.input.get("writeVersion"), "writeVersion"),
     )
-    return result.to_wire()
 
 
-async def _input_page(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    page = _optional_int(p["page"], "page")
-    rows = await runs.input_page(conn, claims.run_id, page or 0)
+def _wire_completion(c: calls.SheetComplete) -> dict[str, Any]:
+    wire: dict[str, Any] = {
+        "tableNamespace": c.sheet,
+        "rows": [
+            {"key": x.key, "output": x.output, "status": str(x.status)} for x in c.completions
+        ],
+    }
+    if c.write_version is not None:
+        wire["writeVersion"] = c.write_version
+    return wire
+
+
+SHEET_COMPLETE = Codec(
+    _decode_completion, _to_wire, _wire_completion, sheets.CompletionResult.from_wire
+)
+
+
+def _rows_answer(rows: list[tuple[str, Any]] | None) -> dict[str, Any]:
     return {"rows": None if rows is None else [[key, value] for key, value in rows]}
 
 
-async def _event_get(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    since = await _run_created(conn, claims)
-    found, payload = await runs.emitted_payload(
-        conn, org=claims.org, name=_text(p["name"], "name"), since=since
-    )
-    return {"found": found, "payload": payload}
+def _rows_of(a: Mapping[str, Any]) -> list[tuple[str, Any]] | None:
+    rows = a["rows"]
+    return None if rows is None else [(str(key), value) for key, value in rows]
 
 
-async def _event_emit(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    emitted = await runs.emit(
-        conn,
-        org=claims.org,
-        name=_text(p["name"], "name"),
-        payload=p.get("payload"),
-        fence=claims.fence,
-    )
-    return {"woken": emitted.woken}
+INPUT_PAGE = Codec(
+    lambda r, claims: calls.InputPage(_optional_int(r.input["page"], "page") or 0),
+    _rows_answer,
+    lambda c: {"page": c.page},
+    _rows_of,
+)
+EVENT_GET = Codec(
+    lambda r, claims: calls.EventGet(_text(r.input["name"], "name")),
+    lambda got: {"found": got.found, "payload": got.payload},
+    lambda c: {"name": c.name},
+    lambda a: calls.EventFound(bool(a["found"]), a.get("payload")),
+)
+EVENT_EMIT_CODEC = Codec(
+    lambda r, claims: calls.EventEmit(_text(r.input["name"], "name"), r.input.get("payload")),
+    lambda emitted: {"woken": emitted.woken},
+    lambda c: {"name": c.name, "payload": c.payload},
+    lambda a: runs.Emitted(woken=int(a["woken"])),
+)
+NOW = Codec(
+    lambda r, claims: calls.Now(),
+    lambda now: {"now": _iso(now)},
+    lambda c: {},
+    lambda a: datetime.fromisoformat(a["now"]),
+)
 
 
-async def _limit_acquire(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    permit = await limits.acquire(
-        conn,
-        key=_text(p["key"], "key"),
-        hold=_text(p["hold"], "hold"),
-        fence=claims.fence,
-    )
+def _permit_answer(permit: limits.Permit) -> dict[str, Any]:
     return {
         "granted": permit.granted,
         "held": permit.held,
@@ -320,35 +450,75 @@ async def _limit_acquire(conn: AsyncConn, p: Input, claims: Claims) -> dict[str,
     }
 
 
-async def _limit_release(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    released = await limits.release(conn, hold=_text(p["hold"], "hold"), fence=claims.fence)
-    return {"released": released}
+def _permit_of(a: Mapping[str, Any]) -> limits.Permit:
+    wait, at = a.get("waitSeconds"), a.get("at")
+    return limits.Permit(
+        granted=bool(a["granted"]),
+        held=bool(a["held"]),
+        busy=bool(a.get("busy")),
+        wait_s=None if wait is None else float(wait),
+        at=datetime.fromisoformat(at) if at else None,
+    )
 
+
+LIMIT_ACQUIRE_CODEC = Codec(
+    lambda r, claims: calls.LimitAcquire(
+        _text(r.input["key"], "key"), _text(r.input["hold"], "hold")
+    ),
+    _permit_answer,
+    lambda c: {"key": c.key, "hold": c.hold},
+    _permit_of,
+)
+LIMIT_RELEASE = Codec(
+    lambda r, claims: calls.LimitRelease(_text(r.input["hold"], "hold")),
+    lambda released: {"released": released},
+    lambda c: {"hold": c.hold},
+    lambda a: bool(a["released"]),
+)
 
 _SPAWN_OPTIONS = frozenset({"max_attempts", "retry", "timeout", "start_by", "meta"})
 
 
-async def _run_spawn(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
+def _decode_spawn(r: Request, claims: Claims) -> calls.RunSpawn:
+    p = r.input
     raw = _mapping(p.get("options") or {}, "options")
     _check_fields(raw, _SPAWN_OPTIONS, (), "options")
-    options = RunOptions.checked(**raw)
-    spawned = await children.spawn(
-        conn,
-        fence=claims.fence,
-        org=claims.org,
-        parent_play=claims.play,
-        release=claims.release,
+    return calls.RunSpawn(
         step_key=_text(p["stepKey"], "stepKey"),
         play=_text(p["play"], "play"),
         params=_mapping(p.get("params") or {}, "params"),
-        options=options,
+        options=RunOptions.checked(**raw),
         priority=_optional_int(p.get("priority"), "priority") or 0,
     )
-    return {"runId": str(spawned.run_id), "created": spawned.created}
 
 
-async def _run_get(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    child = await children.get(conn, parent_id=claims.run_id, child_id=p["childId"])
+def _wire_spawn(c: calls.RunSpawn) -> dict[str, Any]:
+    options = c.options
+    wire = {
+        "max_attempts": options.max_attempts,
+        "retry": str(options.retry) if options.retry else None,
+        "timeout": options.timeout_s,
+        "start_by": options.start_by.isoformat() if options.start_by else None,
+        "meta": options.meta,
+    }
+    return {
+        "stepKey": c.step_key,
+        "play": c.play,
+        "params": dict(c.params),
+        "options": {k: v for k, v in wire.items() if v is not None},
+        "priority": c.priority,
+    }
+
+
+RUN_SPAWN_CODEC = Codec(
+    _decode_spawn,
+    lambda spawned: {"runId": str(spawned.run_id), "created": spawned.created},
+    _wire_spawn,
+    lambda a: children.Spawned(run_id=uuid.UUID(a["runId"]), created=bool(a.get("created"))),
+)
+
+
+def _child_answer(child: children.Child) -> dict[str, Any]:
     return {
         "runId": str(child.id),
         "play": child.play,
@@ -359,75 +529,58 @@ async def _run_get(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
     }
 
 
-async def _now(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    cur = await conn.execute("SELECT now()")
-    row = await cur.fetchone()
-    assert row is not None
-    return {"now": _iso(row[0])}
+RUN_GET = Codec(
+    lambda r, claims: calls.RunGet(r.input["childId"]),
+    _child_answer,
+    lambda c: {"childId": str(c.child_id)},
+    lambda a: children.Child(
+        uuid.UUID(a["runId"]), a["play"], a["state"], a["result"], a["error"], None
+    ),
+)
 
 
-async def _ledger(conn: AsyncConn, p: Input, claims: Claims, kind: str | None) -> dict[str, Any]:
-    """A keyed outbox delivery to the run's ledger, fenced by the live lease: the same key
-    delivered twice stores its events once."""
-    key = str(p["__idempotencyKey"])
-    events: list[tuple[str, Any]]
-    if kind is None:
+def _delivery(r: Request) -> dict[str, str]:
+    return {"key": str(r.idempotency_key), "owner": str(r.delivery_lease_owner)}
+
+
+def _decode_events(
+    kind: type[calls.AppendRunEvents],
+) -> Callable[[Request, Claims], calls.AppendRunEvents]:
+    def decode(r: Request, claims: Claims) -> calls.AppendRunEvents:
         events = []
-        for index, item in enumerate(_list(p.get("events", []), "events")):
+        for index, item in enumerate(_list(r.input.get("events", []), "events")):
             where = f"events[{index}]"
             _check_fields(_mapping(item, where), frozenset({"kind", "data"}), {"kind"}, where)
-            # Printable text, as every name is (an operator's terminal shows it).
-            name = fields.text(
-                item["kind"], field=f"{where}.kind", max_len=fields.MAX_EVENT_NAME, what="kind"
-            )
-            if not name.startswith("play."):
-                raise InvalidField(
-                    f"{where}.kind {name!r} is not a play event",
-                    field=f"{where}.kind",
-                    rule="a play's ledger events are named play.<something>",
-                    fix=f"send kind 'play.{name}'",
-                )
-            events.append((name, item.get("data") or {}))
-    else:
-        events = [(kind, {})]
-    cur = await conn.execute(
-        q("ledger_append_delivered"),
-        {
-            "kinds": [k for k, _ in events],
-            "datas": [Jsonb(d) for _, d in events],
-            "keys": [f"{key}#{i}" for i in range(len(events))],
-            "delivery_owner": p["__deliveryLeaseOwner"],
-            **claims.fence.params(count=len(events)),
-        },
-    )
-    row = await cur.fetchone()
-    assert row is not None
-    fenced, appended, run_attempt, run_state = row
-    if not fenced:
-        raise refused(
-            claims.fence,
-            verb="project",
-            subject=f"{len(events)} ledger event(s)",
-            run_attempt=run_attempt,
-            run_state=run_state,
-        )
-    return {"appended": int(appended), "existing": len(events) - int(appended)}
+            events.append((item["kind"], item.get("data")))
+        return kind(**_delivery(r), kinds_data=events)
+
+    return decode
 
 
-async def _append_run_events(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _ledger(conn, p, claims, None)
+def _delivered(done: calls.Delivered) -> dict[str, Any]:
+    return {"appended": done.appended, "existing": done.existing}
 
 
-async def _project_run_events(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _ledger(conn, p, claims, None)
+def _delivered_of(a: Mapping[str, Any]) -> calls.Delivered:
+    return calls.Delivered(appended=int(a["appended"]), existing=int(a.get("existing") or 0))
 
 
-async def _project_run_created(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _ledger(conn, p, claims, "run_created_projected")
+def _wire_events(c: calls.AppendRunEvents) -> dict[str, Any]:
+    return {"events": [{"kind": kind, "data": data or {}} for kind, data in c.kinds_data]}
 
 
-async def _start_run(conn: AsyncConn, p: Input, claims: Claims) -> dict[str, Any]:
-    return await _ledger(conn, p, claims, "run_started")
+APPEND_RUN_EVENTS = Codec(
+    _decode_events(calls.AppendRunEvents), _delivered, _wire_events, _delivered_of
+)
+PROJECT_RUN_EVENTS = Codec(
+    _decode_events(calls.ProjectRunEvents), _delivered, _wire_events, _delivered_of
+)
+PROJECT_RUN_CREATED = Codec(
+    lambda r, claims: calls.ProjectRunCreated(**_delivery(r)), _delivered, _none, _delivered_of
+)
+START_RUN = Codec(
+    lambda r, claims: calls.StartRun(**_delivery(r)), _delivered, _none, _delivered_of
+)
 
 
 # ---- the table ------------------------------------------------------------------------
@@ -438,7 +591,7 @@ _ADMISSION = frozenset({"writeVersion", "stableWriteIntent", "pendingRerunAdmiss
 _STEP = frozenset({"stepKey"})
 _RUN = frozenset({"runId"})
 
-# The one table of runtime actions: wire name, capability, handler, fields. A receiver of
+# The one table of runtime actions: wire name, capability, codec, fields. A receiver of
 # an older release serves a subset (``served`` in :func:`dispatch`).
 ACTIONS: Mapping[str, Action] = {
     a.name: a
@@ -446,7 +599,7 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_sheet_start",
             SHEET_WRITE,
-            _sheet_start,
+            SHEET_START,
             _SHEET_PAGE,
             _RUN | _ADMISSION,
             ADMISSION_TIMEOUT_S,
@@ -456,7 +609,7 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_sheet_start_with_intent",
             SHEET_WRITE,
-            _sheet_start_with_intent,
+            SHEET_START_WITH_INTENT,
             _SHEET_PAGE,
             _RUN | _ADMISSION,
             ADMISSION_TIMEOUT_S,
@@ -464,7 +617,7 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_sheet_complete_map_rows",
             SHEET_WRITE,
-            _sheet_complete,
+            SHEET_COMPLETE,
             _SHEET_PAGE,
             _RUN | {"writeVersion"},
             COMPLETION_TIMEOUT_S,
@@ -472,14 +625,14 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_receipt_claim",
             RECEIPT_WRITE,
-            _receipt_claim,
+            RECEIPT_CLAIM,
             _STEP,
             _RUN | {"scope", "leaseSeconds"},
         ),
         Action(
             "runtime_receipt_complete",
             RECEIPT_WRITE,
-            _receipt_complete,
+            RECEIPT_COMPLETE,
             _STEP,
             _RUN | {"scope", "result"},
         ),
@@ -488,29 +641,29 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_receipts_settled",
             RECEIPT_WRITE,
-            _receipts_settled,
+            RECEIPTS_SETTLED,
             frozenset(),
             _RUN | {"scope"},
         ),
         Action(
             "runtime_receipt_record",
             RECEIPT_WRITE,
-            _receipt_record,
+            RECEIPT_RECORD,
             _STEP,
             _RUN | {"scope", "result"},
         ),
         Action(
             "runtime_receipt_fail",
             RECEIPT_WRITE,
-            _receipt_fail,
+            RECEIPT_FAIL,
             _STEP | {"error"},
             _RUN | {"scope"},
         ),
-        Action("runtime_receipt_skip", RECEIPT_WRITE, _receipt_skip, _STEP, _RUN | {"scope"}),
+        Action("runtime_receipt_skip", RECEIPT_WRITE, RECEIPT_SKIP, _STEP, _RUN | {"scope"}),
         Action(
             "runtime_receipts_complete",
             RECEIPT_WRITE,
-            _receipts_complete,
+            RECEIPTS_COMPLETE,
             frozenset({"results"}),
             _RUN | {"scope"},
             COMPLETION_TIMEOUT_S,
@@ -518,48 +671,46 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "runtime_receipts_lookup",
             RECEIPT_WRITE,
-            _receipts_lookup,
+            RECEIPTS_LOOKUP,
             frozenset({"keys"}),
             _RUN | {"scope"},
         ),
-        Action("runtime_input_page", RUN_READ, _input_page, frozenset({"page"}), _RUN),
-        Action("runtime_event_get", RUN_READ, _event_get, frozenset({"name"}), _RUN),
+        Action("runtime_input_page", RUN_READ, INPUT_PAGE, frozenset({"page"}), _RUN),
+        Action("runtime_event_get", RUN_READ, EVENT_GET, frozenset({"name"}), _RUN),
         # An emit has no key to know a repeat by: sent again, it would emit twice.
         Action(
             "runtime_event_emit",
             EVENT_EMIT,
-            _event_emit,
+            EVENT_EMIT_CODEC,
             frozenset({"name"}),
             _RUN | {"payload"},
             repeatable=False,
         ),
-        Action("runtime_now", RUN_READ, _now, frozenset(), _RUN),
+        Action("runtime_now", RUN_READ, NOW, frozenset(), _RUN),
         # Rate limits (queues.limits) and child runs (queues.children), each write fenced.
         Action(
             "runtime_limit_acquire",
             LIMIT_ACQUIRE,
-            _limit_acquire,
+            LIMIT_ACQUIRE_CODEC,
             frozenset({"key", "hold"}),
             _RUN,
         ),
-        Action("runtime_limit_release", LIMIT_ACQUIRE, _limit_release, frozenset({"hold"}), _RUN),
+        Action("runtime_limit_release", LIMIT_ACQUIRE, LIMIT_RELEASE, frozenset({"hold"}), _RUN),
         Action(
             "runtime_run_spawn",
             RUN_SPAWN,
-            _run_spawn,
+            RUN_SPAWN_CODEC,
             frozenset({"stepKey", "play"}),
             _RUN | {"params", "options", "priority"},
         ),
-        Action("runtime_run_get", RUN_READ, _run_get, frozenset({"childId"}), _RUN),
+        Action("runtime_run_get", RUN_READ, RUN_GET, frozenset({"childId"}), _RUN),
         # Keyed outbox deliveries to the run's ledger: the run-ledger token's only actions.
+        Action("append_run_events", LEDGER_PROJECT, APPEND_RUN_EVENTS, frozenset({"events"}), _RUN),
         Action(
-            "append_run_events", LEDGER_PROJECT, _append_run_events, frozenset({"events"}), _RUN
+            "project_run_events", LEDGER_PROJECT, PROJECT_RUN_EVENTS, frozenset({"events"}), _RUN
         ),
-        Action(
-            "project_run_events", LEDGER_PROJECT, _project_run_events, frozenset({"events"}), _RUN
-        ),
-        Action("project_run_created", LEDGER_PROJECT, _project_run_created, frozenset(), _RUN),
-        Action("start_run", LEDGER_PROJECT, _start_run, frozenset(), _RUN),
+        Action("project_run_created", LEDGER_PROJECT, PROJECT_RUN_CREATED, frozenset(), _RUN),
+        Action("start_run", LEDGER_PROJECT, START_RUN, frozenset(), _RUN),
     )
 }
 LEDGER_ACTIONS = frozenset(
@@ -675,8 +826,8 @@ def authorize(
             # A known action this receiver does not serve (an older release's, mid-rollout)
             # is retried after the rollout; only a name nobody defined gets a suggestion,
             # never a legacy action standing in for a newer one.
-            suggestion = None if request.action in ACTIONS else did_you_mean(
-                request.action, served_now
+            suggestion = (
+                None if request.action in ACTIONS else did_you_mean(request.action, served_now)
             )
             raise OperationRefused(
                 f"Unsupported action: {request.action}",
@@ -755,13 +906,52 @@ async def dispatch(
         await check_live_lease(conn, claims)
     results = []
     for request in requests:
-        handler_input = dict(request.input)
-        if request.action in LEDGER_ACTIONS:
-            handler_input["__idempotencyKey"] = request.idempotency_key
-            handler_input["__deliveryLeaseOwner"] = request.delivery_lease_owner
-        results.append(await ACTIONS[request.action].handler(conn, handler_input, claims))
+        codec = ACTIONS[request.action].codec
+        answer = await codec.decode(request, claims).run(conn, claims)
+        results.append(codec.encode(answer))
     is_batch = isinstance(body, Mapping) and "actions" in body
     return results if is_batch else results[0]
+
+
+async def perform(conn: AsyncConn, call: calls.Call[T], claims: Claims) -> T:
+    """Check and run one typed call in process: the policy, the declared plays and limit
+    keys, and the run scope (a step's org, play and fence are the claims' own), as
+    :func:`dispatch` checks a wire request; then the call, fenced in its SQL."""
+    body: dict[str, Any] = {"action": call.action}
+    if isinstance(call, calls.LedgerDelivery):
+        body |= {"idempotencyKey": call.key, "deliveryLeaseOwner": call.owner}
+    needed = capability_for_request(body, claims.capabilities)
+    if needed is None or needed not in claims.capabilities:
+        raise CapabilityScope(SCOPE_MESSAGE, field="action", rule=call.action)
+    if isinstance(call, calls.RunSpawn):
+        _check_declared(Request(call.action, {"play": call.play}, None, None), claims)
+    elif isinstance(call, calls.LimitAcquire):
+        _check_declared(Request(call.action, {"key": call.key}, None, None), claims)
+    ref: receipts.StepRef | None = getattr(call, "ref", None)
+    if ref is not None and (ref.org, ref.play, ref.fence) != (
+        claims.org,
+        claims.play,
+        claims.fence,
+    ):
+        raise RunScope(
+            f"step {ref.step_key!r} names another run's attempt than this credential's",
+            field="ref",
+            rule="a credential acts on its own run only",
+            fix="name the step with the attempt's own org, play and fence",
+        )
+    scope: receipts.Scope | None = ref.scope if ref is not None else getattr(call, "scope", None)
+    if (
+        scope is not None
+        and scope.key.startswith("run:")
+        and scope != receipts.Scope.of_run(claims.run_id)
+    ):
+        raise RunScope(
+            f"scope {scope.key!r} is another run's",
+            field="scope",
+            rule="a run's own scope, or a named one",
+            fix="name the scope, or leave it the run's own",
+        )
+    return await call.run(conn, claims)
 
 
 # ---- payload checks ------------------------------------------------------------------------
@@ -1035,14 +1225,3 @@ def _optional_int(value: object, field: str) -> int | None:
 
 def _iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
-
-
-async def _run_created(conn: AsyncConn, claims: Claims) -> datetime:
-    cur = await conn.execute(
-        "SELECT created_at FROM wq_runs WHERE id = %(id)s", {"id": claims.run_id}
-    )
-    row = await cur.fetchone()
-    if row is None:
-        raise StaleAttempt(f"run {claims.run_id} does not exist", fix="stop this attempt")
-    created: datetime = row[0]
-    return created

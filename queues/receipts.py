@@ -116,6 +116,18 @@ class Scope:
         return self.key
 
 
+@dataclass(frozen=True, slots=True)
+class StepRef:
+    """One step's receipt, named by its scoped key (org, play, scope, step key), and the
+    fence of the attempt that writes it: what every per-step receipt call takes."""
+
+    org: str
+    play: str
+    scope: Scope
+    step_key: str
+    fence: Fence
+
+
 def idempotency_key(org: str, play: str, scope: Scope, step_key: str) -> str:
     """The idempotency key of a step (or a row's step), for a paid call's provider.
 
@@ -208,12 +220,8 @@ class _ClaimRow:
 
 async def claim(
     conn: AsyncConn,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     lease_s: float,
     now: datetime | None = None,
 ) -> Claim:
@@ -224,19 +232,19 @@ async def claim(
     (``BUSY``). Raises :class:`StaleAttempt` if the fence no longer holds,
     :class:`RunNotFound` if there is no such run.
     """
-    _check_ref(org=org, play=play, step_key=step_key)
+    _check_ref(org=ref.org, play=ref.play, step_key=ref.step_key)
     _check_lease(lease_s)
     params = {
-        "org": org,
-        "play": play,
-        "scope": scope.key,
-        "step_key": step_key,
+        "org": ref.org,
+        "play": ref.play,
+        "scope": ref.scope.key,
+        "step_key": ref.step_key,
         "lease_s": float(lease_s),
         "now": now,
         # The statement is its own transaction: a claim whose loss is harmless may then
         # commit without waiting for its WAL flush (receipt_claim's lazy_commit says when).
         "own_commit": own_transaction(conn),
-        **fence.params(),
+        **ref.fence.params(),
     }
     async with conn.cursor(row_factory=class_row(_ClaimRow)) as cur:
         await cur.execute(q("receipt_claim"), params)
@@ -244,9 +252,9 @@ async def claim(
     assert row is not None  # the statement always returns one row
     if not row.fenced:
         raise refused(
-            fence,
+            ref.fence,
             verb="claim",
-            subject=f"step {step_key!r}",
+            subject=f"step {ref.step_key!r}",
             run_attempt=row.run_attempt,
             run_state=row.run_state,
         )
@@ -255,15 +263,15 @@ async def claim(
     elif row.status == ReceiptStatus.SKIPPED:
         outcome, result, lease = ClaimOutcome.SKIPPED, None, None
     elif row.status == ReceiptStatus.CLAIMED:
-        mine = row.owner_run == fence.run_id and row.owner_attempt == fence.attempt
+        mine = row.owner_run == ref.fence.run_id and row.owner_attempt == ref.fence.attempt
         outcome = ClaimOutcome.EXECUTE if mine else ClaimOutcome.BUSY
         result, lease = None, row.lease_expires_at
     else:
         # A fenced claim reads a settled receipt or upserts one: never failed or absent.
-        raise AssertionError(f"receipt_claim returned status {row.status!r} for {step_key!r}")
+        raise AssertionError(f"receipt_claim returned status {row.status!r} for {ref.step_key!r}")
     return Claim(
         outcome,
-        step_key,
+        ref.step_key,
         result=result,
         lease_expires_at=lease,
         owner_run=row.owner_run,
@@ -296,12 +304,8 @@ class _FinishRow:
 
 async def complete(
     conn: AsyncConn,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     result: JSON,
     now: datetime | None = None,
 ) -> JSON:
@@ -310,15 +314,11 @@ async def complete(
     Returns the result as later attempts will replay it (decoded from the stored JSON, so
     tuples come back as lists), so the first execution and a replay see the same value.
     """
-    dumped = _dump(result, what=f"the result of step {step_key!r}", field="result")
+    dumped = _dump(result, what=f"the result of step {ref.step_key!r}", field="result")
     repeated = await _finish(
         conn,
         ReceiptStatus.COMPLETED,
-        org=org,
-        play=play,
-        scope=scope,
-        step_key=step_key,
-        fence=fence,
+        ref,
         result=dumped,
         error=None,
         now=now,
@@ -329,25 +329,17 @@ async def complete(
 
 async def fail(
     conn: AsyncConn,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     error: Mapping[str, JSON],
     now: datetime | None = None,
 ) -> None:
     """Record that a step this attempt holds raised; a later claim may take it again."""
-    dumped = _dump(error, what=f"the error of step {step_key!r}", field="error")
+    dumped = _dump(error, what=f"the error of step {ref.step_key!r}", field="error")
     await _finish(
         conn,
         ReceiptStatus.FAILED,
-        org=org,
-        play=play,
-        scope=scope,
-        step_key=step_key,
-        fence=fence,
+        ref,
         result=None,
         error=dumped,
         now=now,
@@ -356,23 +348,15 @@ async def fail(
 
 async def skip(
     conn: AsyncConn,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     now: datetime | None = None,
 ) -> None:
     """Record that the play chose not to execute a step it holds; it replays as skipped."""
     await _finish(
         conn,
         ReceiptStatus.SKIPPED,
-        org=org,
-        play=play,
-        scope=scope,
-        step_key=step_key,
-        fence=fence,
+        ref,
         result=None,
         error=None,
         now=now,
@@ -382,12 +366,8 @@ async def skip(
 async def _finish(
     conn: AsyncConn,
     status: ReceiptStatus,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     result: str | None,
     error: str | None,
     now: datetime | None,
@@ -395,13 +375,14 @@ async def _finish(
     """Write the finish; None when written now, the row when this attempt had written it
     already (a repeat: answered as a success, so a call retried after a lost answer is
     not taken for a refusal); any other unwritten finish is refused."""
-    _check_ref(org=org, play=play, step_key=step_key)
+    _check_ref(org=ref.org, play=ref.play, step_key=ref.step_key)
+    fence = ref.fence
     params = {
         "status": status.value,
-        "org": org,
-        "play": play,
-        "scope": scope.key,
-        "step_key": step_key,
+        "org": ref.org,
+        "play": ref.play,
+        "scope": ref.scope.key,
+        "step_key": ref.step_key,
         "result": result,
         "error": error,
         "now": now,
@@ -425,7 +406,7 @@ async def _finish(
     raise refused(
         fence,
         verb=verb,
-        subject=f"step {step_key!r}",
+        subject=f"step {ref.step_key!r}",
         run_attempt=row.run_attempt,
         run_state=row.run_state,
         reason=reason,
@@ -523,12 +504,8 @@ async def _complete_page(
 
 async def record(
     conn: AsyncConn,
+    ref: StepRef,
     *,
-    org: str,
-    play: str,
-    scope: Scope,
-    step_key: str,
-    fence: Fence,
     result: JSON,
     now: datetime | None = None,
 ) -> Claim:
@@ -541,6 +518,7 @@ async def record(
     replay will see it); ``REPLAY`` or ``SKIPPED`` if the step had settled after all, with
     the recorded result; ``BUSY`` if another run holds a live claim (only a named scope).
     """
+    org, play, scope, step_key = ref.org, ref.play, ref.scope, ref.step_key
     _check_ref(org=org, play=play, step_key=step_key)
     dumped = _dump(result, what=f"the result of step {step_key!r}", field="result")
     page = await _complete_page(
@@ -548,7 +526,7 @@ async def record(
         org=org,
         play=play,
         scope=scope,
-        fence=fence,
+        fence=ref.fence,
         keys=[step_key],
         dumped=[dumped],
         now=now,

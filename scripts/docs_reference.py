@@ -585,7 +585,7 @@ def gateway_actions() -> str:
 
     rows = []
     for action in operations.ACTIONS.values():
-        doc = first_paragraph(getattr(action.handler, "__doc__", None))
+        doc = first_paragraph(action.doc)
         rows.append(
             [
                 code(action.name),

@@ -1,14 +1,19 @@
-"""How a run context reaches the operation contract: one dispatch, two ways to it.
+"""How a run context reaches the operation contract: typed calls, two ways to run them.
 
-- :class:`LocalTransport` (in-process plays): calls :func:`queues.operations.dispatch` on a
-  pooled connection with the attempt's claims, the same receiver the gateway serves. With
+A run context hands its transport typed calls (:mod:`queues.calls`) with :meth:`run`.
+``call(action, payload)`` sends a wire dict, as the reference runtime's clients do.
+
+- :class:`LocalTransport` (in-process plays): runs each call with
+  :func:`queues.operations.perform` on a pooled connection with the attempt's claims, the
+  same policy and the same calls the gateway's dispatch serves; no dict on the way. With
   ``hold``, the attempt keeps the connection it took between its calls (see the class).
 - :class:`Absorbing` wraps either: a call that lost its connection
   (:func:`worker.blips.is_blip`) is
   sent again, with capped backoff, while the outage lasts less than ``max_outage_s``, when
   its action is repeatable (:attr:`queues.operations.Action.repeatable`). A play's ``ctx``
   calls just take longer through a database restart or a terminated backend.
-- :class:`GatewayTransport` (sandboxed plays): posts the same action to the gateway with
+- :class:`GatewayTransport` (sandboxed plays): encodes the call with its action's codec
+  (:data:`queues.operations.ACTIONS`) and posts it to the gateway with
   the attempt's token (the run-ledger token for the ledger actions), with the reference
   runtime's per-action timeouts, and turns an error answer back into the error it was.
   An answer of an older gateway that lacks the stable-intent admission becomes
@@ -22,18 +27,20 @@ import collections
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import structlog
 from psycopg_pool import AsyncConnectionPool
 
-from queues import authority, errors, operations, runs
+from queues import authority, calls, errors, operations, runs
 from queues.authority import Claims
 from queues.errors import InvalidField, WriteIntentUnavailable
 from worker.blips import is_blip
 
 log = structlog.get_logger("worker.contract")
+
+T = TypeVar("T")
 
 ABSORB_FIRST_DELAY_S = 0.05
 ABSORB_MAX_DELAY_S = 1.0
@@ -47,10 +54,51 @@ _OLDER_RECEIVER_MESSAGES = (
 )
 
 
-class Transport(Protocol):
+class WireSender(Protocol):
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
-    ) -> Any: ...
+    ) -> Any:
+        """Send a wire request (an action and its camelCase input); the wire's answer."""
+        ...
+
+
+class Transport(WireSender, Protocol):
+    async def run(self, call: calls.Call[T]) -> T:
+        """Run a typed call for the attempt; its typed answer."""
+        ...
+
+
+async def run_over_wire(sender: WireSender, call: calls.Call[T]) -> T:
+    """A typed call sent as its wire request: encoded with its action's codec, and the
+    wire's answer decoded back (the client's half of the codec the gateway serves)."""
+    codec = operations.ACTIONS[call.action].codec
+    key = call.key if isinstance(call, calls.LedgerDelivery) else None
+    answer: T = codec.answer(await sender.call(call.action, codec.wire(call), idempotency_key=key))
+    return answer
+
+
+class OverWire:
+    """A transport that speaks only the wire (``call``), given typed calls through the
+    codecs (:func:`run_over_wire`)."""
+
+    def __init__(self, inner: WireSender) -> None:
+        self.inner = inner
+
+    async def run(self, call: calls.Call[T]) -> T:
+        return await run_over_wire(self.inner, call)
+
+    async def call(
+        self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
+    ) -> Any:
+        return await self.inner.call(action, payload, idempotency_key=idempotency_key)
+
+
+def typed(transport: Transport | WireSender) -> Transport:
+    """``transport`` as one that runs typed calls (one that speaks only the wire is
+    wrapped in :class:`OverWire`)."""
+    if callable(getattr(transport, "run", None)):
+        return transport  # type: ignore[return-value]
+    return OverWire(transport)
 
 
 def _body(action: str, payload: dict[str, Any], key: str | None, owner: str) -> dict[str, Any]:
@@ -75,7 +123,7 @@ class Absorbing:
 
     def __init__(
         self,
-        inner: Transport,
+        inner: Transport | WireSender,
         *,
         max_outage_s: float,
         on_absorbed: Callable[[str], None] | None = None,
@@ -87,14 +135,24 @@ class Absorbing:
         self._before_retry = before_retry
         self.absorbed: collections.Counter[str] = collections.Counter()  # by action
 
+    async def run(self, call: calls.Call[T]) -> T:
+        inner = typed(self.inner)
+        answer: T = await self._absorb(call.action, lambda: inner.run(call))
+        return answer
+
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
     ) -> Any:
+        return await self._absorb(
+            action, lambda: self.inner.call(action, payload, idempotency_key=idempotency_key)
+        )
+
+    async def _absorb(self, action: str, send: Callable[[], Awaitable[Any]]) -> Any:
         since: float | None = None
         delay = ABSORB_FIRST_DELAY_S
         while True:
             try:
-                answer = await self.inner.call(action, payload, idempotency_key=idempotency_key)
+                answer = await send()
             except Exception as exc:
                 if not is_blip(exc) or not operations.repeatable(action):
                     raise
@@ -188,6 +246,11 @@ class ConnectionTransport:
         self._claims = _AttemptClaims(claims)
         self._turn = asyncio.Lock()
 
+    async def run(self, call: calls.Call[T]) -> T:
+        claims = self._claims.of(call.action)
+        async with self._turn:
+            return await operations.perform(self._conn, call, claims)
+
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
     ) -> Any:
@@ -223,21 +286,29 @@ class LocalTransport:
         self._busy = False
         self._returning: set[asyncio.Future[None]] = set()  # give-backs still in flight
 
+    async def run(self, call: calls.Call[T]) -> T:
+        claims = self._claims.of(call.action)
+        answer: T = await self._on_connection(lambda conn: operations.perform(conn, call, claims))
+        return answer
+
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None
     ) -> Any:
         claims = self._claims.of(action)
         body = _body(action, payload, idempotency_key, claims.owner)
+        return await self._on_connection(lambda conn: operations.dispatch(conn, body, claims))
+
+    async def _on_connection(self, send: Callable[[Any], Awaitable[Any]]) -> Any:
         if not self._hold or self._busy:
             async with self._pool.connection() as conn:
-                return await operations.dispatch(conn, body, claims)
+                return await send(conn)
         self._busy = True
         try:
             if self._held is None:
                 self._held = await self._pool.getconn()
             conn = self._held
             try:
-                return await operations.dispatch(conn, body, claims)
+                return await send(conn)
             except BaseException:
                 self._held = None
                 await self._give_back(conn)
@@ -297,6 +368,10 @@ class GatewayTransport:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+
+    async def run(self, call: calls.Call[T]) -> T:
+        """Encode the call with its action's codec, post it, decode the answer."""
+        return await run_over_wire(self, call)
 
     async def call(
         self, action: str, payload: dict[str, Any], *, idempotency_key: str | None = None

@@ -153,11 +153,13 @@ async def test_a_steps_record_keeps_to_its_keys_under_a_generic_plan(conn: Conn)
     for i in range(3):
         done = await receipts.record(
             conn,
-            org=attempts.ORG,
-            play=attempts.PLAY,
-            scope=scope,
-            step_key=f"step{i}",
-            fence=a.fence,
+            receipts.StepRef(
+                org=attempts.ORG,
+                play=attempts.PLAY,
+                scope=scope,
+                step_key=f"step{i}",
+                fence=a.fence,
+            ),
             result=i,
         )
         assert done.outcome is receipts.ClaimOutcome.EXECUTE

@@ -58,7 +58,7 @@ async def _stale_pair(conn: Conn) -> tuple[Attempt, Attempt]:
 async def test_a_rescued_attempt_cannot_claim_a_step(conn: Conn) -> None:
     old, new = await _stale_pair(conn)
     with pytest.raises(StaleAttempt, match="attempt 2"):
-        await receipts.claim(conn, **_ref(old, "fetch"), lease_s=LEASE)
+        await receipts.claim(conn, receipts.StepRef(**_ref(old, "fetch")), lease_s=LEASE)
     assert (
         await receipts.get(
             conn, org=ORG, play=PLAY, scope=Scope.of_run(old.run_id), step_key="fetch"
@@ -66,26 +66,30 @@ async def test_a_rescued_attempt_cannot_claim_a_step(conn: Conn) -> None:
         is None
     )
     assert await attempts.refusals(conn, old.run_id) == [(1, "receipt", 1)]
-    claim = await receipts.claim(conn, **_ref(new, "fetch"), lease_s=LEASE)
+    claim = await receipts.claim(conn, receipts.StepRef(**_ref(new, "fetch")), lease_s=LEASE)
     assert claim.outcome is ClaimOutcome.EXECUTE
 
 
 async def test_a_step_claimed_before_the_rescue_cannot_be_completed_after_it(conn: Conn) -> None:
     old = await attempts.start(conn)
-    claim = await receipts.claim(conn, **_ref(old, "fetch"), lease_s=LEASE, now=old.now)
+    claim = await receipts.claim(
+        conn, receipts.StepRef(**_ref(old, "fetch")), lease_s=LEASE, now=old.now
+    )
     assert claim.outcome is ClaimOutcome.EXECUTE
     new = await attempts.supersede(conn, old)
     for write in (
-        receipts.complete(conn, **_ref(old, "fetch"), result={"paid": 1}),
-        receipts.fail(conn, **_ref(old, "fetch"), error={"type": "X"}),
-        receipts.skip(conn, **_ref(old, "fetch")),
+        receipts.complete(conn, receipts.StepRef(**_ref(old, "fetch")), result={"paid": 1}),
+        receipts.fail(conn, receipts.StepRef(**_ref(old, "fetch")), error={"type": "X"}),
+        receipts.skip(conn, receipts.StepRef(**_ref(old, "fetch"))),
     ):
         with pytest.raises(StaleAttempt):
             await write
     # The live attempt takes the step over (its own run's older attempt held it) and pays.
-    taken = await receipts.claim(conn, **_ref(new, "fetch"), lease_s=LEASE)
+    taken = await receipts.claim(conn, receipts.StepRef(**_ref(new, "fetch")), lease_s=LEASE)
     assert taken.outcome is ClaimOutcome.EXECUTE
-    assert await receipts.complete(conn, **_ref(new, "fetch"), result={"paid": 2}) == {"paid": 2}
+    assert await receipts.complete(
+        conn, receipts.StepRef(**_ref(new, "fetch")), result={"paid": 2}
+    ) == {"paid": 2}
     stored = await receipts.get(
         conn, org=ORG, play=PLAY, scope=Scope.of_run(old.run_id), step_key="fetch"
     )
@@ -111,7 +115,7 @@ async def test_a_rescued_attempt_cannot_complete_a_page_of_steps(conn: Conn) -> 
 
 async def test_a_rescued_attempt_cannot_extend_step_leases(conn: Conn) -> None:
     old = await attempts.start(conn)
-    await receipts.claim(conn, **_ref(old, "slow"), lease_s=LEASE, now=old.now)
+    await receipts.claim(conn, receipts.StepRef(**_ref(old, "slow")), lease_s=LEASE, now=old.now)
     await attempts.supersede(conn, old)
     with pytest.raises(StaleAttempt):
         await receipts.extend_leases(conn, fence=old.fence, lease_s=3600)
@@ -244,11 +248,11 @@ async def test_a_stale_completion_raises_even_when_the_writer_asked_not_to(conn:
 
 async def test_between_rescue_and_reclaim_no_attempt_writes(conn: Conn) -> None:
     old = await attempts.start(conn)
-    await receipts.claim(conn, **_ref(old, "held"), lease_s=LEASE, now=old.now)
+    await receipts.claim(conn, receipts.StepRef(**_ref(old, "held")), lease_s=LEASE, now=old.now)
     await attempts.rescue(conn, old)
     assert (await attempts.run_row(conn, old.run_id))["state"] == "queued"
     with pytest.raises(StaleAttempt, match="queued"):
-        await receipts.complete(conn, **_ref(old, "held"), result=1)
+        await receipts.complete(conn, receipts.StepRef(**_ref(old, "held")), result=1)
     with pytest.raises(StaleAttempt):
         await sheets.admit_page(
             conn, org=ORG, sheet="s", fence=old.fence, rows=[("a", {})], stable_intent=True
@@ -282,7 +286,7 @@ async def test_the_same_attempt_number_under_another_worker_is_refused(conn: Con
     live = await attempts.start(conn, worker="w1")
     impostor = Fence(live.run_id, live.fence.attempt, "w-other")
     with pytest.raises(StaleAttempt, match="lease is no longer held"):
-        await receipts.claim(conn, **_ref(live, "x", impostor), lease_s=LEASE)
+        await receipts.claim(conn, receipts.StepRef(**_ref(live, "x", impostor)), lease_s=LEASE)
     with pytest.raises(StaleAttempt):
         await sheets.admit_page(
             conn, org=ORG, sheet="s", fence=impostor, rows=[("a", {})], stable_intent=True
@@ -301,7 +305,9 @@ async def test_the_same_attempt_number_under_another_worker_is_refused(conn: Con
 async def test_another_org_cannot_write_through_a_run(conn: Conn) -> None:
     live = await attempts.start(conn)
     with pytest.raises(StaleAttempt):
-        await receipts.claim(conn, **{**_ref(live, "x"), "org": "someone-else"}, lease_s=LEASE)
+        await receipts.claim(
+            conn, receipts.StepRef(**{**_ref(live, "x"), "org": "someone-else"}), lease_s=LEASE
+        )
     with pytest.raises(RunNotFound, match="someone-else"):
         await sheets.admit_page(
             conn,

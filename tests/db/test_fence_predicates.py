@@ -73,27 +73,29 @@ async def stale_attempt(conn: Conn) -> tuple[Attempt, Fence]:
 
 
 async def receipt_claim(conn: Conn, live: Attempt, w: Writer) -> None:
-    await receipts.claim(conn, **_ref(live, w, "k"), lease_s=LEASE)
+    await receipts.claim(conn, receipts.StepRef(**_ref(live, w, "k")), lease_s=LEASE)
 
 
 async def _claimed_by_live(conn: Conn, live: Attempt) -> None:
-    got = await receipts.claim(conn, **_ref(live, Writer(live.fence), "k"), lease_s=LEASE)
+    got = await receipts.claim(
+        conn, receipts.StepRef(**_ref(live, Writer(live.fence), "k")), lease_s=LEASE
+    )
     assert got.outcome is ClaimOutcome.EXECUTE
 
 
 async def receipt_complete(conn: Conn, live: Attempt, w: Writer) -> None:
     await _claimed_by_live(conn, live)
-    await receipts.complete(conn, **_ref(live, w, "k"), result=1)
+    await receipts.complete(conn, receipts.StepRef(**_ref(live, w, "k")), result=1)
 
 
 async def receipt_fail(conn: Conn, live: Attempt, w: Writer) -> None:
     await _claimed_by_live(conn, live)
-    await receipts.fail(conn, **_ref(live, w, "k"), error={"type": "X"})
+    await receipts.fail(conn, receipts.StepRef(**_ref(live, w, "k")), error={"type": "X"})
 
 
 async def receipt_skip(conn: Conn, live: Attempt, w: Writer) -> None:
     await _claimed_by_live(conn, live)
-    await receipts.skip(conn, **_ref(live, w, "k"))
+    await receipts.skip(conn, receipts.StepRef(**_ref(live, w, "k")))
 
 
 async def receipts_complete_many(conn: Conn, live: Attempt, w: Writer) -> None:
@@ -328,7 +330,9 @@ async def test_a_stale_attempts_own_step_lease_is_not_renewed_by_its_worker(conn
     still lists attempt 1 (its loop had not caught up) must not keep attempt 1's step
     locked against attempt 2: only the attempt number differs."""
     old = await attempts.start(conn, worker="w1")
-    got = await receipts.claim(conn, **_ref(old, Writer(old.fence), "old"), lease_s=LEASE)
+    got = await receipts.claim(
+        conn, receipts.StepRef(**_ref(old, Writer(old.fence), "old")), lease_s=LEASE
+    )
     assert got.outcome is ClaimOutcome.EXECUTE
     live = await attempts.supersede(conn, old, worker="w1")
     assert (live.fence.owner, live.fence.attempt) == ("w1", 2)

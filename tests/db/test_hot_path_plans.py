@@ -243,11 +243,13 @@ async def test_a_steps_record_is_never_compiled(conn: Conn) -> None:
         for i in range(3):
             done = await receipts.record(
                 conn,
-                org=attempts.ORG,
-                play=attempts.PLAY,
-                scope=scope,
-                step_key=f"step{i}",
-                fence=a.fence,
+                receipts.StepRef(
+                    org=attempts.ORG,
+                    play=attempts.PLAY,
+                    scope=scope,
+                    step_key=f"step{i}",
+                    fence=a.fence,
+                ),
                 result=i,
             )
             assert done.outcome is receipts.ClaimOutcome.EXECUTE

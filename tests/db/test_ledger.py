@@ -120,8 +120,10 @@ async def test_every_change_appends_its_event_with_a_gapless_seq(conn: Conn) -> 
         completions=[RowCompletion("k1", {"ok": 1})],
     )
     step = {"org": ORG, "play": PLAY, "scope": Scope.of_run(run_id), "fence": a.fence}
-    await receipts.claim(conn, **step, step_key="pay", lease_s=LEASE_S, now=T0)
-    await receipts.fail(conn, **step, step_key="pay", error={"type": "Boom"}, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**step, step_key="pay"), lease_s=LEASE_S, now=T0)
+    await receipts.fail(
+        conn, receipts.StepRef(**step, step_key="pay"), error={"type": "Boom"}, now=T0
+    )
     await attempts.rescue(conn, a)  # lease_expired
     b = await attempts.claim(conn, now=a.lapses_at + timedelta(minutes=10), run_id=run_id)
     await runs.cancel(conn, run_id, reason="wrong list")  # cancel_requested
@@ -262,8 +264,10 @@ async def test_nothing_written_appends_nothing(conn: Conn) -> None:
         completions=[RowCompletion("nope", {})],
     )
     step = {"org": ORG, "play": PLAY, "scope": Scope.of_run(a.run_id), "fence": a.fence}
-    await receipts.claim(conn, **step, step_key="ok", lease_s=LEASE_S, now=T0)
-    await receipts.complete(conn, **step, step_key="ok", result={"paid": 1}, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**step, step_key="ok"), lease_s=LEASE_S, now=T0)
+    await receipts.complete(
+        conn, receipts.StepRef(**step, step_key="ok"), result={"paid": 1}, now=T0
+    )
     assert await kinds(conn, a.run_id) == before
     # A stale attempt's writes are refused: no event either.
     live = await attempts.supersede(conn, a)

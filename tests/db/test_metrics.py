@@ -54,11 +54,13 @@ async def test_metrics_count_depth_rescues_refusals_and_stranded_lanes(conn: Con
     with pytest.raises(StaleAttempt):
         await receipts.claim(
             conn,
-            org=attempts.ORG,
-            play=attempts.PLAY,
-            scope=Scope.of_run(lapsed.run_id),
-            step_key="paid",
-            fence=lapsed.fence,
+            receipts.StepRef(
+                org=attempts.ORG,
+                play=attempts.PLAY,
+                scope=Scope.of_run(lapsed.run_id),
+                step_key="paid",
+                fence=lapsed.fence,
+            ),
             lease_s=30,
         )
     late = [outcomes.succeeded(lapsed.run_id, 1, {"late": True})]

@@ -95,20 +95,24 @@ def test_scope_names() -> None:
 async def test_first_claim_executes_and_a_later_attempt_replays(conn: Conn) -> None:
     first = await attempts.start(conn)
     run_id = first.run_id
-    claim = await receipts.claim(conn, **ref(first, "fetch"), lease_s=LEASE, now=T0)
+    claim = await receipts.claim(
+        conn, receipts.StepRef(**ref(first, "fetch")), lease_s=LEASE, now=T0
+    )
     assert claim.outcome is ClaimOutcome.EXECUTE
     assert claim.lease_expires_at == T0 + timedelta(seconds=LEASE)
     assert (claim.owner_run, claim.owner_attempt) == (run_id, 1)
 
     stored = await receipts.complete(
-        conn, **ref(first, "fetch"), result={"rows": (1, 2), "ok": True}
+        conn, receipts.StepRef(**ref(first, "fetch")), result={"rows": (1, 2), "ok": True}
     )
     assert stored == {"rows": [1, 2], "ok": True}  # what a replay will see
 
     second = await attempts.supersede(conn, first)
     assert second.fence == Fence(run_id, 2, "w2")
     before = await versions(conn, Scope.of_run(run_id))
-    again = await receipts.claim(conn, **ref(second, "fetch"), lease_s=LEASE, now=second.now)
+    again = await receipts.claim(
+        conn, receipts.StepRef(**ref(second, "fetch")), lease_s=LEASE, now=second.now
+    )
     assert again.outcome is ClaimOutcome.REPLAY
     assert await versions(conn, Scope.of_run(run_id)) == before  # a replay writes nothing
     assert again.result == {"rows": [1, 2], "ok": True}
@@ -120,9 +124,9 @@ async def test_first_claim_executes_and_a_later_attempt_replays(conn: Conn) -> N
 
 async def test_same_attempt_reclaiming_its_own_step_executes(conn: Conn) -> None:
     a = await attempts.start(conn)
-    await receipts.claim(conn, **ref(a, "s"), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "s")), lease_s=LEASE, now=T0)
     later = T0 + timedelta(seconds=5)
-    again = await receipts.claim(conn, **ref(a, "s"), lease_s=LEASE, now=later)
+    again = await receipts.claim(conn, receipts.StepRef(**ref(a, "s")), lease_s=LEASE, now=later)
     assert again.outcome is ClaimOutcome.EXECUTE
     assert again.lease_expires_at == later + timedelta(seconds=LEASE)
     assert (again.owner_run, again.owner_attempt) == (a.run_id, 1)
@@ -131,15 +135,19 @@ async def test_same_attempt_reclaiming_its_own_step_executes(conn: Conn) -> None
 async def test_failed_step_is_claimed_again_by_a_later_attempt(conn: Conn) -> None:
     first = await attempts.start(conn)
     run_id = first.run_id
-    await receipts.claim(conn, **ref(first, "pay"), lease_s=LEASE, now=T0)
-    await receipts.fail(conn, **ref(first, "pay"), error={"type": "Timeout", "msg": "slow"})
+    await receipts.claim(conn, receipts.StepRef(**ref(first, "pay")), lease_s=LEASE, now=T0)
+    await receipts.fail(
+        conn, receipts.StepRef(**ref(first, "pay")), error={"type": "Timeout", "msg": "slow"}
+    )
     failed = await receipt(conn, run_id, "pay")
     assert failed.status is ReceiptStatus.FAILED
     assert failed.error == {"type": "Timeout", "msg": "slow"}
     assert failed.lease_expires_at is None
 
     second = await attempts.supersede(conn, first)
-    retry = await receipts.claim(conn, **ref(second, "pay"), lease_s=LEASE, now=second.now)
+    retry = await receipts.claim(
+        conn, receipts.StepRef(**ref(second, "pay")), lease_s=LEASE, now=second.now
+    )
     assert retry.outcome is ClaimOutcome.EXECUTE
     claimed = await receipt(conn, run_id, "pay")
     assert (claimed.status, claimed.owner_attempt, claimed.error) == (
@@ -147,17 +155,19 @@ async def test_failed_step_is_claimed_again_by_a_later_attempt(conn: Conn) -> No
         2,
         None,
     )
-    await receipts.complete(conn, **ref(second, "pay"), result="paid")
+    await receipts.complete(conn, receipts.StepRef(**ref(second, "pay")), result="paid")
     assert (await receipt(conn, run_id, "pay")).result == "paid"
 
 
 async def test_skipped_step_replays_as_skipped(conn: Conn) -> None:
     first = await attempts.start(conn)
-    await receipts.claim(conn, **ref(first, "notify"), lease_s=LEASE, now=T0)
-    await receipts.skip(conn, **ref(first, "notify"))
+    await receipts.claim(conn, receipts.StepRef(**ref(first, "notify")), lease_s=LEASE, now=T0)
+    await receipts.skip(conn, receipts.StepRef(**ref(first, "notify")))
     second = await attempts.supersede(conn, first)
     before = await versions(conn, Scope.of_run(first.run_id))
-    again = await receipts.claim(conn, **ref(second, "notify"), lease_s=LEASE, now=second.now)
+    again = await receipts.claim(
+        conn, receipts.StepRef(**ref(second, "notify")), lease_s=LEASE, now=second.now
+    )
     assert again.outcome is ClaimOutcome.SKIPPED
     assert await versions(conn, Scope.of_run(first.run_id)) == before
     row = await receipt(conn, first.run_id, "notify")
@@ -168,17 +178,23 @@ async def test_live_claim_is_busy_until_its_lease_lapses_then_taken_over(conn: C
     scope = Scope.named("shared")
     run_a = await attempts.start(conn)
     run_b = await attempts.start(conn)
-    held = await receipts.claim(conn, **ref(run_a, "s", scope), lease_s=LEASE, now=T0)
+    held = await receipts.claim(
+        conn, receipts.StepRef(**ref(run_a, "s", scope)), lease_s=LEASE, now=T0
+    )
     assert held.outcome is ClaimOutcome.EXECUTE
 
     early = T0 + timedelta(seconds=LEASE - 1)
-    busy = await receipts.claim(conn, **ref(run_b, "s", scope), lease_s=LEASE, now=early)
+    busy = await receipts.claim(
+        conn, receipts.StepRef(**ref(run_b, "s", scope)), lease_s=LEASE, now=early
+    )
     assert busy.outcome is ClaimOutcome.BUSY
     assert busy.lease_expires_at == T0 + timedelta(seconds=LEASE)
     assert (busy.owner_run, busy.owner_attempt) == (run_a.run_id, 1)
 
     late = T0 + timedelta(seconds=LEASE)
-    taken = await receipts.claim(conn, **ref(run_b, "s", scope), lease_s=LEASE, now=late)
+    taken = await receipts.claim(
+        conn, receipts.StepRef(**ref(run_b, "s", scope)), lease_s=LEASE, now=late
+    )
     assert taken.outcome is ClaimOutcome.EXECUTE
     assert taken.owner_run == run_b.run_id
 
@@ -187,9 +203,9 @@ async def test_live_claim_is_busy_until_its_lease_lapses_then_taken_over(conn: C
     with pytest.raises(
         StaleAttempt, match=f"run {run_a.run_id} attempt 1 cannot complete step 's'"
     ) as info:
-        await receipts.complete(conn, **ref(run_a, "s", scope), result="a")
+        await receipts.complete(conn, receipts.StepRef(**ref(run_a, "s", scope)), result="a")
     assert f"claimed by run {run_b.run_id} attempt 1" in str(info.value)
-    await receipts.complete(conn, **ref(run_b, "s", scope), result="b")
+    await receipts.complete(conn, receipts.StepRef(**ref(run_b, "s", scope)), result="b")
     row = await receipt(conn, run_a.run_id, "s", scope)
     assert (row.status, row.owner_run, row.result) == (ReceiptStatus.COMPLETED, run_b.run_id, "b")
 
@@ -199,13 +215,13 @@ async def test_extend_leases_keeps_a_long_step_claimed(conn: Conn) -> None:
     run_a = await attempts.start(conn)
     # run_b is claimed later, so the rescue of run_a below leaves it running.
     run_b = await attempts.start(conn, now=T0 + timedelta(hours=1))
-    await receipts.claim(conn, **ref(run_a, "s", scope), lease_s=LEASE, now=T0)
-    await receipts.claim(conn, **ref(run_a, "t", scope), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(run_a, "s", scope)), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(run_a, "t", scope)), lease_s=LEASE, now=T0)
     beat = T0 + timedelta(seconds=20)
     assert await receipts.extend_leases(conn, fence=run_a.fence, lease_s=LEASE, now=beat) == 2
     after_first_lease = T0 + timedelta(seconds=LEASE + 5)
     busy = await receipts.claim(
-        conn, **ref(run_b, "s", scope), lease_s=LEASE, now=after_first_lease
+        conn, receipts.StepRef(**ref(run_b, "s", scope)), lease_s=LEASE, now=after_first_lease
     )
     assert busy.outcome is ClaimOutcome.BUSY
     assert busy.lease_expires_at == beat + timedelta(seconds=LEASE)
@@ -233,7 +249,7 @@ async def test_heartbeat_extends_the_step_leases_of_many_attempts_in_one_call(
     scope = Scope.named("shared")
     run_a, run_b, run_c = [await attempts.start(conn) for _ in range(3)]
     for a, key in ((run_a, "a"), (run_b, "b"), (run_c, "c")):
-        await receipts.claim(conn, **ref(a, key, scope), lease_s=LEASE, now=T0)
+        await receipts.claim(conn, receipts.StepRef(**ref(a, key, scope)), lease_s=LEASE, now=T0)
 
     async def leases() -> dict[str, Any]:
         return {
@@ -269,29 +285,31 @@ async def test_stale_attempt_cannot_claim_or_complete_and_the_newer_write_stands
 ) -> None:
     old = await attempts.start(conn)
     run_id = old.run_id
-    await receipts.claim(conn, **ref(old, "charge"), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(old, "charge")), lease_s=LEASE, now=T0)
     new = await attempts.supersede(conn, old)
 
     with pytest.raises(StaleAttempt) as info:
-        await receipts.complete(conn, **ref(old, "charge"), result="old")
+        await receipts.complete(conn, receipts.StepRef(**ref(old, "charge")), result="old")
     message = str(info.value)
     assert str(run_id) in message and "attempt 1" in message and "'charge'" in message
     assert "now at attempt 2" in message
     with pytest.raises(StaleAttempt, match="cannot claim step 'other'"):
-        await receipts.claim(conn, **ref(old, "other"), lease_s=LEASE, now=T0)
+        await receipts.claim(conn, receipts.StepRef(**ref(old, "other")), lease_s=LEASE, now=T0)
     assert (
         await receipts.get(conn, org=ORG, play=PLAY, scope=Scope.of_run(run_id), step_key="other")
         is None
     )
 
     # The new attempt takes over its run's older claim (live lease or not) and completes.
-    taken = await receipts.claim(conn, **ref(new, "charge"), lease_s=LEASE, now=T0)
+    taken = await receipts.claim(
+        conn, receipts.StepRef(**ref(new, "charge")), lease_s=LEASE, now=T0
+    )
     assert taken.outcome is ClaimOutcome.EXECUTE
-    await receipts.complete(conn, **ref(new, "charge"), result="new")
+    await receipts.complete(conn, receipts.StepRef(**ref(new, "charge")), result="new")
     with pytest.raises(StaleAttempt):
-        await receipts.complete(conn, **ref(old, "charge"), result="old")
+        await receipts.complete(conn, receipts.StepRef(**ref(old, "charge")), result="old")
     with pytest.raises(StaleAttempt):
-        await receipts.fail(conn, **ref(old, "charge"), error={"e": 1})
+        await receipts.fail(conn, receipts.StepRef(**ref(old, "charge")), error={"e": 1})
     row = await receipt(conn, run_id, "charge")
     assert (row.status, row.owner_attempt, row.result) == (ReceiptStatus.COMPLETED, 2, "new")
     assert await attempts.refusals(conn, run_id) == [(1, "receipt", 1)] * 4
@@ -304,16 +322,18 @@ async def test_writes_need_a_running_run_and_a_held_claim(conn: Conn) -> None:
     )
     assert finished == {(done.run_id, 1): FinishStatus.APPLIED}
     with pytest.raises(StaleAttempt, match=r"attempt 1 \(succeeded\)"):
-        await receipts.claim(conn, **ref(done, "s"), lease_s=LEASE, now=T0)
+        await receipts.claim(conn, receipts.StepRef(**ref(done, "s")), lease_s=LEASE, now=T0)
     with pytest.raises(RunNotFound):
-        await receipts.claim(conn, **ref(Fence(uuid.uuid4(), 1, "w1"), "s"), lease_s=LEASE, now=T0)
+        await receipts.claim(
+            conn, receipts.StepRef(**ref(Fence(uuid.uuid4(), 1, "w1"), "s")), lease_s=LEASE, now=T0
+        )
     a = await attempts.start(conn)
     with pytest.raises(StaleAttempt, match="holds no receipt"):
-        await receipts.complete(conn, **ref(a, "never-claimed"), result=1)
-    await receipts.claim(conn, **ref(a, "once"), lease_s=LEASE, now=T0)
-    await receipts.complete(conn, **ref(a, "once"), result=1)
+        await receipts.complete(conn, receipts.StepRef(**ref(a, "never-claimed")), result=1)
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "once")), lease_s=LEASE, now=T0)
+    await receipts.complete(conn, receipts.StepRef(**ref(a, "once")), result=1)
     with pytest.raises(StaleAttempt, match="is completed by run"):
-        await receipts.complete(conn, **ref(a, "once"), result=2)
+        await receipts.complete(conn, receipts.StepRef(**ref(a, "once")), result=2)
     assert (await receipt(conn, a.run_id, "once")).result == 1
     # Only the attempt fence logs refusals; a write refused by the receipt does not.
     assert await attempts.refusals(conn, done.run_id) == [(1, "receipt", 1)]
@@ -323,17 +343,17 @@ async def test_writes_need_a_running_run_and_a_held_claim(conn: Conn) -> None:
 @pytest.mark.parametrize("bad", [object(), float("nan"), {"k": {1, 2}}, "nul\x00"])
 async def test_unserialisable_result_is_refused_naming_the_step(conn: Conn, bad: object) -> None:
     a = await attempts.start(conn)
-    await receipts.claim(conn, **ref(a, "render#2"), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "render#2")), lease_s=LEASE, now=T0)
     with pytest.raises(InvalidField, match="step 'render#2'") as info:
-        await receipts.complete(conn, **ref(a, "render#2"), result=bad)  # type: ignore[arg-type]
+        await receipts.complete(conn, receipts.StepRef(**ref(a, "render#2")), result=bad)  # type: ignore[arg-type]
     assert info.value.field == "result"
     assert (await receipt(conn, a.run_id, "render#2")).status is ReceiptStatus.CLAIMED
 
 
 async def test_backslash_u0000_text_is_a_valid_result(conn: Conn) -> None:
     a = await attempts.start(conn)
-    await receipts.claim(conn, **ref(a, "s"), lease_s=LEASE, now=T0)
-    await receipts.complete(conn, **ref(a, "s"), result="C:\\u0000")
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "s")), lease_s=LEASE, now=T0)
+    await receipts.complete(conn, receipts.StepRef(**ref(a, "s")), result="C:\\u0000")
     assert (await receipt(conn, a.run_id, "s")).result == "C:\\u0000"
 
 
@@ -343,26 +363,39 @@ async def test_backslash_u0000_text_is_a_valid_result(conn: Conn) -> None:
 async def test_wider_scope_lets_a_rerun_replay_paid_results(conn: Conn) -> None:
     scope = Scope.named("enrich-v1")
     first = await attempts.start(conn)
-    await receipts.claim(conn, **ref(first, "lookup", scope), lease_s=LEASE, now=T0)
-    await receipts.complete(conn, **ref(first, "lookup", scope), result={"paid": 42})
+    await receipts.claim(
+        conn, receipts.StepRef(**ref(first, "lookup", scope)), lease_s=LEASE, now=T0
+    )
+    await receipts.complete(
+        conn, receipts.StepRef(**ref(first, "lookup", scope)), result={"paid": 42}
+    )
 
     rerun = await attempts.start(conn)
-    replay = await receipts.claim(conn, **ref(rerun, "lookup", scope), lease_s=LEASE, now=T0)
+    replay = await receipts.claim(
+        conn, receipts.StepRef(**ref(rerun, "lookup", scope)), lease_s=LEASE, now=T0
+    )
     assert replay.outcome is ClaimOutcome.REPLAY
     assert replay.result == {"paid": 42}
 
     # The default scope is the run: the rerun's own scope has not paid for it.
-    own = await receipts.claim(conn, **ref(rerun, "lookup"), lease_s=LEASE, now=T0)
+    own = await receipts.claim(
+        conn, receipts.StepRef(**ref(rerun, "lookup")), lease_s=LEASE, now=T0
+    )
     assert own.outcome is ClaimOutcome.EXECUTE
     # A scope is shared within one org and play only.
     other_play = await attempts.start(conn, play="other")
     elsewhere = await receipts.claim(
-        conn, **ref(other_play, "lookup", scope, play="other"), lease_s=LEASE, now=T0
+        conn,
+        receipts.StepRef(**ref(other_play, "lookup", scope, play="other")),
+        lease_s=LEASE,
+        now=T0,
     )
     assert elsewhere.outcome is ClaimOutcome.EXECUTE
     # A run cannot write into another play's scope: the fence checks the run's play.
     with pytest.raises(StaleAttempt):
-        await receipts.claim(conn, **ref(other_play, "lookup", scope), lease_s=LEASE, now=T0)
+        await receipts.claim(
+            conn, receipts.StepRef(**ref(other_play, "lookup", scope)), lease_s=LEASE, now=T0
+        )
 
 
 # ---- pages -----------------------------------------------------------------------------
@@ -401,15 +434,17 @@ async def test_complete_many_sorts_keys_by_their_receipt_state(conn: Conn) -> No
     other = await attempts.start(conn)
 
     async def hold(a: Attempt, key: str) -> None:
-        claimed = await receipts.claim(conn, **ref(a, key, scope), lease_s=LEASE, now=T0)
+        claimed = await receipts.claim(
+            conn, receipts.StepRef(**ref(a, key, scope)), lease_s=LEASE, now=T0
+        )
         assert claimed.outcome is ClaimOutcome.EXECUTE
 
     await hold(other, "done")
-    await receipts.complete(conn, **ref(other, "done", scope), result="theirs")
+    await receipts.complete(conn, receipts.StepRef(**ref(other, "done", scope)), result="theirs")
     await hold(other, "skipped")
-    await receipts.skip(conn, **ref(other, "skipped", scope))
+    await receipts.skip(conn, receipts.StepRef(**ref(other, "skipped", scope)))
     await hold(other, "failed")
-    await receipts.fail(conn, **ref(other, "failed", scope), error={"e": "x"})
+    await receipts.fail(conn, receipts.StepRef(**ref(other, "failed", scope)), error={"e": "x"})
     await hold(other, "busy")
     await hold(other, "lapsed")
     await hold(mine, "held")
@@ -420,7 +455,9 @@ async def test_complete_many_sorts_keys_by_their_receipt_state(conn: Conn) -> No
     # "lapsed" and "busy" were claimed at T0; only the lease of "lapsed" is over at `now`
     # because "busy" is re-claimed by its owner just before.
     later = T0 + timedelta(seconds=LEASE + 1)
-    refreshed = await receipts.claim(conn, **ref(other, "busy", scope), lease_s=LEASE, now=later)
+    refreshed = await receipts.claim(
+        conn, receipts.StepRef(**ref(other, "busy", scope)), lease_s=LEASE, now=later
+    )
     assert refreshed.outcome is ClaimOutcome.EXECUTE
     page = await receipts.complete_many(conn, **page_ref(mine, scope), results=results, now=later)
     assert page.completed == ["failed", "held", "lapsed", "new"]
@@ -480,7 +517,9 @@ async def test_pages_are_bounded_and_keys_unique(conn: Conn) -> None:
 async def test_record_claims_and_completes_a_step_in_one_statement(conn: Conn) -> None:
     first = await attempts.start(conn)
     run_id = first.run_id
-    done = await receipts.record(conn, **ref(first, "fetch"), result={"rows": (1, 2)})
+    done = await receipts.record(
+        conn, receipts.StepRef(**ref(first, "fetch")), result={"rows": (1, 2)}
+    )
     assert (done.outcome, done.result) == (ClaimOutcome.EXECUTE, {"rows": [1, 2]})  # as stored
     row = await receipt(conn, run_id, "fetch")
     assert (row.status, row.owner_attempt, row.result) == (
@@ -489,13 +528,15 @@ async def test_record_claims_and_completes_a_step_in_one_statement(conn: Conn) -
         {"rows": [1, 2]},
     )
     # A step that settled meanwhile keeps its recorded result: the record replays it.
-    await receipts.claim(conn, **ref(first, "note"), lease_s=LEASE, now=T0)
-    await receipts.skip(conn, **ref(first, "note"))
+    await receipts.claim(conn, receipts.StepRef(**ref(first, "note")), lease_s=LEASE, now=T0)
+    await receipts.skip(conn, receipts.StepRef(**ref(first, "note")))
     second = await attempts.supersede(conn, first)
     before = await versions(conn, Scope.of_run(run_id))
-    again = await receipts.record(conn, **ref(second, "fetch"), result="paid twice")
+    again = await receipts.record(
+        conn, receipts.StepRef(**ref(second, "fetch")), result="paid twice"
+    )
     assert (again.outcome, again.result) == (ClaimOutcome.REPLAY, {"rows": [1, 2]})
-    skipped = await receipts.record(conn, **ref(second, "note"), result="x")
+    skipped = await receipts.record(conn, receipts.StepRef(**ref(second, "note")), result="x")
     assert skipped.outcome is ClaimOutcome.SKIPPED
     assert await versions(conn, Scope.of_run(run_id)) == before  # nothing was rewritten
 
@@ -503,12 +544,14 @@ async def test_record_claims_and_completes_a_step_in_one_statement(conn: Conn) -
 async def test_record_takes_over_a_failed_step_and_its_runs_older_claims(conn: Conn) -> None:
     first = await attempts.start(conn)
     run_id = first.run_id
-    await receipts.claim(conn, **ref(first, "pay"), lease_s=LEASE, now=T0)
-    await receipts.fail(conn, **ref(first, "pay"), error={"type": "Timeout"})
-    await receipts.claim(conn, **ref(first, "ship"), lease_s=LEASE, now=T0)  # never finished
+    await receipts.claim(conn, receipts.StepRef(**ref(first, "pay")), lease_s=LEASE, now=T0)
+    await receipts.fail(conn, receipts.StepRef(**ref(first, "pay")), error={"type": "Timeout"})
+    await receipts.claim(
+        conn, receipts.StepRef(**ref(first, "ship")), lease_s=LEASE, now=T0
+    )  # never finished
     second = await attempts.supersede(conn, first)
     for key in ("pay", "ship"):
-        done = await receipts.record(conn, **ref(second, key), result=key)
+        done = await receipts.record(conn, receipts.StepRef(**ref(second, key)), result=key)
         assert done.outcome is ClaimOutcome.EXECUTE
         row = await receipt(conn, run_id, key)
         assert (row.status, row.owner_attempt, row.result, row.error) == (
@@ -524,14 +567,14 @@ async def test_record_is_fenced_and_a_zombies_record_writes_nothing(conn: Conn) 
     run_id = old.run_id
     new = await attempts.supersede(conn, old)
     with pytest.raises(StaleAttempt, match="cannot complete step 'charge'"):
-        await receipts.record(conn, **ref(old, "charge"), result="old")
+        await receipts.record(conn, receipts.StepRef(**ref(old, "charge")), result="old")
     assert (
         await receipts.get(conn, org=ORG, play=PLAY, scope=Scope.of_run(run_id), step_key="charge")
         is None
     )
-    await receipts.record(conn, **ref(new, "charge"), result="new")
+    await receipts.record(conn, receipts.StepRef(**ref(new, "charge")), result="new")
     with pytest.raises(StaleAttempt):
-        await receipts.record(conn, **ref(old, "charge"), result="old")
+        await receipts.record(conn, receipts.StepRef(**ref(old, "charge")), result="old")
     row = await receipt(conn, run_id, "charge")
     assert (row.owner_attempt, row.result) == (2, "new")
     assert await attempts.refusals(conn, run_id) == [(1, "receipt", 1)] * 2
@@ -541,8 +584,10 @@ async def test_record_leaves_another_runs_live_claim_alone(conn: Conn) -> None:
     shared = Scope.named("shared")
     holder = await attempts.start(conn)
     other = await attempts.start(conn)
-    await receipts.claim(conn, **ref(holder, "quote", shared), lease_s=LEASE)
-    busy = await receipts.record(conn, **ref(other, "quote", shared), result="mine")
+    await receipts.claim(conn, receipts.StepRef(**ref(holder, "quote", shared)), lease_s=LEASE)
+    busy = await receipts.record(
+        conn, receipts.StepRef(**ref(other, "quote", shared)), result="mine"
+    )
     assert busy.outcome is ClaimOutcome.BUSY
     row = await receipt(conn, holder.run_id, "quote", shared)
     assert (row.status, row.owner_run) == (ReceiptStatus.CLAIMED, holder.run_id)
@@ -553,12 +598,12 @@ async def test_settled_lists_completed_and_skipped_steps_up_to_a_limit(conn: Con
     scope = Scope.of_run(a.run_id)
     where = {"org": ORG, "play": PLAY, "scope": scope}
     assert await receipts.settled(conn, **where) == receipts.Settled({}, complete=True)
-    await receipts.record(conn, **ref(a, "done"), result=[1])
-    await receipts.claim(conn, **ref(a, "skip"), lease_s=LEASE, now=T0)
-    await receipts.skip(conn, **ref(a, "skip"))
-    await receipts.claim(conn, **ref(a, "held"), lease_s=LEASE, now=T0)
-    await receipts.claim(conn, **ref(a, "broke"), lease_s=LEASE, now=T0)
-    await receipts.fail(conn, **ref(a, "broke"), error={"type": "E"})
+    await receipts.record(conn, receipts.StepRef(**ref(a, "done")), result=[1])
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "skip")), lease_s=LEASE, now=T0)
+    await receipts.skip(conn, receipts.StepRef(**ref(a, "skip")))
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "held")), lease_s=LEASE, now=T0)
+    await receipts.claim(conn, receipts.StepRef(**ref(a, "broke")), lease_s=LEASE, now=T0)
+    await receipts.fail(conn, receipts.StepRef(**ref(a, "broke")), error={"type": "E"})
     found = await receipts.settled(conn, **where)
     assert found == receipts.Settled(
         {"done": (ReceiptStatus.COMPLETED, [1]), "skip": (ReceiptStatus.SKIPPED, None)},
@@ -568,7 +613,7 @@ async def test_settled_lists_completed_and_skipped_steps_up_to_a_limit(conn: Con
     assert await receipts.settled(conn, **where, limit=1) == receipts.Settled({}, complete=False)
     # Results past the byte budget are not loaded at once: the attempt claims step by step.
     big = [uuid.uuid4().hex for _ in range(200)]  # about 7 KB that do not compress
-    await receipts.record(conn, **ref(a, "big"), result=big)
+    await receipts.record(conn, receipts.StepRef(**ref(a, "big")), result=big)
     assert (await receipts.settled(conn, **where)).receipts["big"] == (ReceiptStatus.COMPLETED, big)
     assert await receipts.settled(conn, **where, max_bytes=3000) == receipts.Settled(
         {}, complete=False

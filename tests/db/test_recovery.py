@@ -268,11 +268,13 @@ async def test_lapses_of_a_run_that_progresses_or_of_one_worker_are_not_a_poison
             assert c.org and c.play and c.attempt
             await receipts.record(
                 conn,
-                org=c.org,
-                play=c.play,
-                scope=receipts.Scope.of_run(run_id),
-                step_key="charge",
-                fence=Fence(run_id, c.attempt, worker),
+                receipts.StepRef(
+                    org=c.org,
+                    play=c.play,
+                    scope=receipts.Scope.of_run(run_id),
+                    step_key="charge",
+                    fence=Fence(run_id, c.attempt, worker),
+                ),
                 result=1,
                 now=at,
             )

@@ -65,8 +65,8 @@ async def test_only_claims_whose_loss_is_harmless_skip_the_flush(tx: Conn) -> No
     assert await claim_as_own_transaction(tx, a, "s", Scope.named("shared")) == "on"
     # A replay in a named scope writes nothing but its share lock.
     shared = {"org": ORG, "play": PLAY, "scope": Scope.named("shared"), "fence": a.fence}
-    await receipts.claim(tx, **shared, step_key="done", lease_s=30.0, now=T0)
-    await receipts.complete(tx, **shared, step_key="done", result=1)
+    await receipts.claim(tx, receipts.StepRef(**shared, step_key="done"), lease_s=30.0, now=T0)
+    await receipts.complete(tx, receipts.StepRef(**shared, step_key="done"), result=1)
     assert await claim_as_own_transaction(tx, a, "done", Scope.named("shared")) == "off"
     assert await synchronous_commit(tx) == "on"
 
@@ -82,11 +82,9 @@ async def test_a_claim_in_the_callers_transaction_never_changes_its_commit(tx: C
     a = await attempts.start(tx)
     claim = await receipts.claim(
         tx,
-        org=ORG,
-        play=PLAY,
-        scope=Scope.of_run(a.run_id),
-        step_key="s",
-        fence=a.fence,
+        receipts.StepRef(
+            org=ORG, play=PLAY, scope=Scope.of_run(a.run_id), step_key="s", fence=a.fence
+        ),
         lease_s=30.0,
         now=T0,
     )

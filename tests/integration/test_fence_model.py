@@ -549,12 +549,14 @@ class FenceModel(RuleBasedStateMachine):
 
     def _step_ref(self, fence: Fence, key: str, shared: bool) -> dict[str, Any]:
         scope = Scope.named("shared") if shared else Scope.of_run(fence.run_id)
-        return {"org": ORG, "play": PLAY, "scope": scope, "step_key": key, "now": self.now()}
+        return {"org": ORG, "play": PLAY, "scope": scope, "step_key": key}
 
     async def _step_claim(self, fence: Fence, conn: Conn, key: str, shared: bool) -> Answer:
         ref = self._step_ref(fence, key, shared)
         try:
-            claim = await receipts.claim(conn, **ref, fence=fence, lease_s=STEP_LEASE_S)
+            claim = await receipts.claim(
+                conn, receipts.StepRef(**ref, fence=fence), lease_s=STEP_LEASE_S, now=self.now()
+            )
         except StaleAttempt as error:
             return Answer("refused", error)
         return Answer("applied", claim)
@@ -565,7 +567,9 @@ class FenceModel(RuleBasedStateMachine):
         ref = self._step_ref(fence, key, shared)
         result: dict[str, str | int] = {"by": fence.owner, "attempt": fence.attempt}
         try:
-            await receipts.complete(conn, **ref, fence=fence, result=result)
+            await receipts.complete(
+                conn, receipts.StepRef(**ref, fence=fence), result=result, now=self.now()
+            )
         except StaleAttempt as error:
             # Refused either way, nothing written; a live attempt that does not hold the
             # step is refused by the receipt, not by the attempt fence.

@@ -55,14 +55,16 @@ async def run_step(conn: Conn, fence: Fence, key: str) -> tuple[str, JSON]:
     """What ctx.step does: claim (committed), execute once, record; or replay; or wait."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
-        claim = await receipts.claim(conn, **ref(fence, key), lease_s=LEASE)
+        claim = await receipts.claim(conn, receipts.StepRef(**ref(fence, key)), lease_s=LEASE)
         if claim.outcome is ClaimOutcome.EXECUTE:
             await conn.execute(
                 "INSERT INTO side_effects (step_key, run_id, attempt) VALUES (%(k)s, %(r)s, %(a)s)",
                 {"k": key, "r": fence.run_id, "a": fence.attempt},
             )
             result = {"by": str(fence.run_id)}
-            return "execute", await receipts.complete(conn, **ref(fence, key), result=result)
+            return "execute", await receipts.complete(
+                conn, receipts.StepRef(**ref(fence, key)), result=result
+            )
         if claim.outcome is ClaimOutcome.REPLAY:
             return "replay", claim.result
         assert claim.outcome is ClaimOutcome.BUSY, claim
@@ -117,8 +119,8 @@ async def test_concurrent_claims_give_one_execute_and_one_busy(db_url: str) -> N
         for i in range(25):
             key = f"claim#{i}"
             claims = await asyncio.gather(
-                receipts.claim(a, **ref(run_a.fence, key), lease_s=LEASE),
-                receipts.claim(b, **ref(run_b.fence, key), lease_s=LEASE),
+                receipts.claim(a, receipts.StepRef(**ref(run_a.fence, key)), lease_s=LEASE),
+                receipts.claim(b, receipts.StepRef(**ref(run_b.fence, key)), lease_s=LEASE),
             )
             assert sorted(c.outcome for c in claims) == [ClaimOutcome.BUSY, ClaimOutcome.EXECUTE]
             winner = next(c for c in claims if c.outcome is ClaimOutcome.EXECUTE)
@@ -155,19 +157,25 @@ async def test_claim_waits_for_a_holder_in_an_open_transaction_then_replays(
         await setup(a)
         run_a, run_b = await attempts.start(a), await attempts.start(a)
         if existing == "failed":  # a committed row: B waits on its row lock, not an insert
-            await receipts.claim(a, **ref(run_b.fence, key), lease_s=LEASE)
-            await receipts.fail(a, **ref(run_b.fence, key), error={"type": "Boom"})
+            await receipts.claim(a, receipts.StepRef(**ref(run_b.fence, key)), lease_s=LEASE)
+            await receipts.fail(
+                a, receipts.StepRef(**ref(run_b.fence, key)), error={"type": "Boom"}
+            )
 
         async with a.transaction():
-            held = await receipts.claim(a, **ref(run_a.fence, key), lease_s=LEASE)
+            held = await receipts.claim(a, receipts.StepRef(**ref(run_a.fence, key)), lease_s=LEASE)
             assert held.outcome is ClaimOutcome.EXECUTE
             await a.execute(
                 "INSERT INTO side_effects (step_key, run_id, attempt) VALUES (%(k)s, %(r)s, 1)",
                 {"k": key, "r": run_a.run_id},
             )
-            await receipts.complete(a, **ref(run_a.fence, key), result={"charged": 10})
+            await receipts.complete(
+                a, receipts.StepRef(**ref(run_a.fence, key)), result={"charged": 10}
+            )
 
-            waiter = asyncio.create_task(receipts.claim(b, **ref(run_b.fence, key), lease_s=LEASE))
+            waiter = asyncio.create_task(
+                receipts.claim(b, receipts.StepRef(**ref(run_b.fence, key)), lease_s=LEASE)
+            )
             await wait_until_blocked(observer, b.info.backend_pid, waiter)
             assert not waiter.done()
         # A committed: B's claim wakes up and sees the completed receipt.
@@ -187,9 +195,11 @@ async def test_a_rescue_pass_skips_a_run_whose_receipt_write_is_in_flight(db_url
         await setup(a)
         old = await attempts.start(a)
         scope = Scope.of_run(old.run_id)
-        await receipts.claim(a, **ref(old.fence, "s", scope), lease_s=LEASE)
+        await receipts.claim(a, receipts.StepRef(**ref(old.fence, "s", scope)), lease_s=LEASE)
         async with a.transaction():
-            await receipts.complete(a, **ref(old.fence, "s", scope), result="done")
+            await receipts.complete(
+                a, receipts.StepRef(**ref(old.fence, "s", scope)), result="done"
+            )
             # The lease lapsed, but the write is in flight: a pass now rescues nothing. (A
             # pass that waited for the write would hang here: the write commits only after.)
             report = await asyncio.wait_for(
@@ -213,7 +223,9 @@ async def test_a_rescue_pass_skips_a_run_whose_receipt_write_is_in_flight(db_url
             rescuer, worker="w2", now=old.lapses_at + timedelta(minutes=10), run_id=old.run_id
         )
         assert new.fence == Fence(old.run_id, 2, "w2")
-        replay = await receipts.claim(a, **ref(new.fence, "s", scope), lease_s=LEASE)
+        replay = await receipts.claim(
+            a, receipts.StepRef(**ref(new.fence, "s", scope)), lease_s=LEASE
+        )
         assert (replay.outcome, replay.result) == (ClaimOutcome.REPLAY, "done")
         assert (replay.owner_run, replay.owner_attempt) == (old.run_id, 1)
         assert await attempts.refusals(a, old.run_id) == []
@@ -227,7 +239,7 @@ async def test_receipt_write_queued_behind_a_rescue_in_flight_is_refused(db_url:
         await setup(a)
         old = await attempts.start(a)
         scope = Scope.of_run(old.run_id)
-        await receipts.claim(a, **ref(old.fence, "s", scope), lease_s=LEASE)
+        await receipts.claim(a, receipts.StepRef(**ref(old.fence, "s", scope)), lease_s=LEASE)
         # The pass runs inside a transaction we hold open: its rescue is in flight.
         async with rescuer.transaction():
             report = await recovery.run_once(rescuer, now=past_lease(old))
@@ -235,7 +247,7 @@ async def test_receipt_write_queued_behind_a_rescue_in_flight_is_refused(db_url:
                 (old.run_id, 1, "queued")
             ]
             write = asyncio.create_task(
-                receipts.complete(a, **ref(old.fence, "s", scope), result="stale")
+                receipts.complete(a, receipts.StepRef(**ref(old.fence, "s", scope)), result="stale")
             )
             await wait_until_blocked(observer, a.info.backend_pid, write)
             assert not write.done()
@@ -253,9 +265,11 @@ async def test_receipt_write_queued_behind_a_rescue_in_flight_is_refused(db_url:
         new = await attempts.claim(
             rescuer, worker="w2", now=old.lapses_at + timedelta(minutes=10), run_id=old.run_id
         )
-        taken = await receipts.claim(a, **ref(new.fence, "s", scope), lease_s=LEASE)
+        taken = await receipts.claim(
+            a, receipts.StepRef(**ref(new.fence, "s", scope)), lease_s=LEASE
+        )
         assert taken.outcome is ClaimOutcome.EXECUTE
-        await receipts.complete(a, **ref(new.fence, "s", scope), result="fresh")
+        await receipts.complete(a, receipts.StepRef(**ref(new.fence, "s", scope)), result="fresh")
         done = await receipts.get(a, org=ORG, play=PLAY, scope=scope, step_key="s")
         assert done is not None
         assert (done.status, done.owner_attempt, done.result) == (

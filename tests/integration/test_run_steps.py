@@ -47,13 +47,14 @@ async def paid(ctx: RunContext, params: dict[str, Any]) -> list[str]:
 def sent(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, str, str | None]]]:
     """Every runtime action an attempt sends: (attempt, action, step key)."""
     calls: list[tuple[int, str, str | None]] = []
-    real = operations.dispatch
+    real = operations.perform
 
-    async def recording(conn: Any, body: dict[str, Any], claims: Claims, **kw: Any) -> Any:
-        calls.append((claims.attempt, body["action"], body["input"].get("stepKey")))
-        return await real(conn, body, claims, **kw)
+    async def recording(conn: Any, call: Any, claims: Claims) -> Any:
+        ref = getattr(call, "ref", None)
+        calls.append((claims.attempt, call.action, ref.step_key if ref else None))
+        return await real(conn, call, claims)
 
-    monkeypatch.setattr(operations, "dispatch", recording)
+    monkeypatch.setattr(operations, "perform", recording)
     bodies.clear()
     yield calls
 
