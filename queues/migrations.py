@@ -761,12 +761,10 @@ async def plan(
     if newer:
         return Plan(steps=[], newer=newer, recorded=recorded)
     steps: list[PlannedStep] = []
-    blocked = False
     for step in _plan(state, chain, code):
         blockers: list[Blocker] = []
-        if step.kind == CONTRACT and not blocked:
+        if step.kind == CONTRACT:  # each against its own floor
             blockers = await contract_blockers(conn, below=step.floor)
-            blocked = True
         steps.append(PlannedStep(name=step.name, kind=step.kind, blocked_by=blockers))
     return Plan(steps=steps, newer=[], recorded=recorded)
 
@@ -845,15 +843,23 @@ async def migrate(
         needed = await cur.fetchone()
         if needed is not None and needed[0]:
             await conn.execute(_WINDOW_DDL)
-        first = next((i for i, s in enumerate(steps) if s.kind == CONTRACT), None)
-        if first is not None:
-            blocked = await contract_blockers(conn, below=steps[first].floor)
-            if blocked and not force:
+        # Each contract step against its own floor: a lane prepared between two pending
+        # contract steps' floors blocks the later one only. The steps before the first
+        # blocked one are applied; it and every step after it wait.
+        # Forced, every contract step goes over its blockers (reported, and audited by
+        # _hold_contract).
+        for first, step in enumerate(steps):
+            if step.kind != CONTRACT:
+                continue
+            blockers = await contract_blockers(conn, below=step.floor)
+            blocked += [b for b in blockers if b not in blocked]
+            if blockers and not force:
                 waiting = [s.name for s in steps[first + 1 :] if s.kind != CONTRACT]
                 if waiting or contract:
-                    raise blocked_error(steps[first].name, blocked, waiting)
+                    raise blocked_error(step.name, blockers, waiting)
                 deferred = [s.name for s in steps[first:]]
                 steps = steps[:first]
+                break
         for step in steps:
             try:
                 async with conn.transaction():

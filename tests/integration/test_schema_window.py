@@ -177,6 +177,27 @@ async def test_a_contract_step_waits_for_older_lanes_then_closes_the_window(
         assert "worker migrate`" not in res.stderr.split("Fix:")[-1]
 
 
+async def test_each_pending_contract_step_waits_for_the_lanes_below_its_own_floor(
+    db_url: str,
+) -> None:
+    # Two pending contract steps; a lane with an unfinished run, prepared by a release that
+    # has the first of them: it needs what the second removes, not what the first does.
+    first = extra(V + 1, "contract", "COMMENT ON TABLE wq_runs IS 'first';")
+    second = extra(V + 2, "contract", "COMMENT ON TABLE wq_runs IS 'second';")
+    await admit(db_url, "between")
+    async with connect(db_url) as conn:
+        await conn.execute(
+            "UPDATE wq_lanes SET schema_version = %s WHERE name = 'r-between'", (V + 1,)
+        )
+        planned = await migrations.plan(conn, code=[*CODE, first, second])
+        assert [[b.lane for b in s.blocked_by] for s in planned.steps] == [[], ["r-between"]]
+        report = await migrations.migrate(conn, code=[*CODE, first, second])
+        assert report.applied == [first.name] and report.deferred == [second.name]
+        assert [b.lane for b in report.blocked_by] == ["r-between"]
+        with pytest.raises(ContractBlockedByLanes, match=second.name):
+            await migrations.migrate(conn, code=[*CODE, first, second], contract=True)
+
+
 async def test_live_workers_of_an_older_release_block_until_they_stop(db_url: str) -> None:
     await register(db_url, "older-worker", "older")
     async with connect(db_url) as conn, conn.transaction():
