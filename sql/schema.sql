@@ -681,99 +681,13 @@ CREATE FUNCTION public.wq_events_appended() RETURNS trigger
     LANGUAGE plpgsql
     AS $$
 DECLARE
-    v_ids text[];
-    v_folded boolean;  -- an event besides run_created: the progress fold has work
-    v_progress boolean;
-    v_http boolean;
+    v_heard text := nullif(current_setting('wq.ledger_heard', true), '');
 BEGIN
-    SELECT array_agg(DISTINCT a.run_id::text), bool_or(a.kind <> 'run_created')
-      INTO v_ids, v_folded
-      FROM appended a;
-    IF v_ids IS NULL THEN
-        RETURN NULL;  -- nothing appended: nothing to hear, nothing to deliver
+    IF v_heard IS NOT NULL THEN
+        PERFORM set_config('wq.ledger_heard', '', true);
     END IF;
-    -- The listeners (`worker observe`, `worker result --wait`, `worker events --follow`):
-    -- one NOTIFY per 200 runs of the statement, not one per event.
-    FOR i IN 1 .. cardinality(v_ids) BY 200 LOOP
-        PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
-    END LOOP;
-    -- The sinks, read once (a handful of rows): a statement with nothing to deliver (no
-    -- HTTP sink enabled, the usual case) runs no insert at all.
-    SELECT coalesce(bool_or(s.kind = 'progress'), false),
-           coalesce(bool_or(s.kind <> 'progress'), false)
-      INTO v_progress, v_http
-      FROM wq_sinks s
-     WHERE s.enabled;
-    IF v_http THEN
-        INSERT INTO wq_outbox (event_id, sink)
-        SELECT a.id, s.name
-          FROM appended a
-         CROSS JOIN wq_sinks s
-         WHERE s.enabled
-           AND s.kind <> 'progress'
-         ORDER BY a.id, s.name;
-        -- The projectors: deliveries are due (their channel, migration 0033).
-        PERFORM pg_notify('wq_outbox', '');
-    END IF;
-    IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
-        -- The progress fold (migration 0030): every column only moves forward, the
-        -- statement's runs in run id order.
-        WITH folded AS (
-            SELECT e.run_id, e.seq, e.attempt,
-                   CASE WHEN e.kind = 'rows_admitted'
-                             AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
-                        THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
-                   CASE WHEN e.kind = 'rows_completed'
-                             AND jsonb_typeof(e.data -> 'rows_done') = 'number'
-                        THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
-                   CASE e.kind
-                        WHEN 'run_retried' THEN 'queued'
-                        WHEN 'attempt_started' THEN 'running'
-                        WHEN 'cleanup_started' THEN 'running'
-                        WHEN 'retry_scheduled' THEN 'queued'
-                        WHEN 'run_interrupted' THEN 'queued'
-                        WHEN 'run_handed_back' THEN 'queued'
-                        WHEN 'run_sleeping' THEN 'sleeping'
-                        WHEN 'run_waiting' THEN 'sleeping'
-                        WHEN 'run_succeeded' THEN 'succeeded'
-                        WHEN 'run_failed' THEN 'failed'
-                        WHEN 'run_cancelled' THEN 'cancelled'
-                        WHEN 'lease_expired' THEN
-                            CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
-                                 THEN e.data ->> 'next_state' END
-                   END::wq_run_state AS state
-              FROM appended e
-             WHERE e.kind <> 'run_created'
-        ), per_run AS (
-            SELECT run_id,
-                   max(seq) AS last_event_seq,
-                   max(attempt) AS attempt,
-                   max(rows_admitted) AS rows_admitted,
-                   max(rows_done) AS rows_done,
-                   (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1]
-                       AS state,
-                   max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
-              FROM folded
-             GROUP BY run_id
-        )
-        INSERT INTO wq_progress AS p
-            (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
-             updated_at)
-        SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
-               coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
-               clock_timestamp()
-          FROM per_run
-         ORDER BY run_id  -- progress rows are locked in run id order
-        ON CONFLICT (run_id) DO UPDATE SET
-            state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
-                         ELSE p.state END,
-            state_seq = greatest(p.state_seq, excluded.state_seq),
-            attempt = greatest(p.attempt, excluded.attempt),
-            rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
-            rows_done = greatest(p.rows_done, excluded.rows_done),
-            last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
-            updated_at = excluded.updated_at;
-    END IF;
+    PERFORM wq_ledger_appended(ARRAY(SELECT a::wq_events FROM appended a ORDER BY a.id),
+                               true, string_to_array(v_heard, ','));
     RETURN NULL;
 END;
 $$;
@@ -800,26 +714,48 @@ CREATE FUNCTION public.wq_events_sequence() RETURNS trigger
     AS $$
 DECLARE
     v_last bigint;
+    v_heard text;
 BEGIN
     IF NEW.kind = 'run_created' THEN
         NEW.seq := 1;
+    END IF;
+    -- An event its state row stands for: numbered by the statement that wrote that row
+    -- (its own snapshot sees the row: a volatile function's query sees what the outer
+    -- statement did before this insert).
+    IF NEW.seq IS NOT NULL AND EXISTS (
+        SELECT 1
+          FROM wq_ledger_state s
+         WHERE s.run_id = NEW.run_id
+           AND s.seq = NEW.seq
+           AND s.kind = NEW.kind
+    ) THEN
+        NEW.id := NULL;
+        PERFORM wq_ledger_appended(ARRAY[NEW], false);  -- its deliveries and progress
+        v_heard := nullif(current_setting('wq.ledger_heard', true), '');
+        IF v_heard IS NULL THEN
+            v_heard := NEW.run_id::text;
+        ELSIF right(v_heard, 36) <> NEW.run_id::text THEN
+            v_heard := v_heard || ',' || NEW.run_id::text;
+        END IF;
+        IF length(v_heard) >= 200 * 37 - 1 THEN  -- 200 runs: notified now
+            PERFORM pg_notify('wq_run_events', v_heard);
+            v_heard := '';
+        END IF;
+        PERFORM set_config('wq.ledger_heard', v_heard, true);
+        RETURN NULL;
+    END IF;
+    IF NEW.seq IS NOT NULL THEN
+        -- Numbered by the statement under the run's ledger lock (wq_ledger_next_seq), or an
+        -- operator retry keeping a finishing event the run row held: stored as given; the
+        -- unique (run_id, seq) index refuses a number taken twice.
         RETURN NEW;
     END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended('wq_ledger:' || NEW.run_id::text, 0));
-    SELECT coalesce(max(e.seq), 0) INTO v_last
-      FROM wq_events e
-     WHERE e.run_id = NEW.run_id;
-    IF NEW.seq IS NULL THEN
-        NEW.seq := v_last + 1;
-    ELSIF NEW.seq <> v_last + 1 THEN
-        RAISE EXCEPTION USING
-            ERRCODE = 'serialization_failure',
-            MESSAGE = format('event %s of run %s came with seq %s, but the run''s next '
-                             'seq is %s (the number was not taken under the run''s ledger '
-                             'lock, and another append took it)', NEW.kind, NEW.run_id,
-                             NEW.seq, v_last + 1),
-            HINT = 'retry the statement: it takes the number again';
-    END IF;
+    SELECT greatest(
+               (SELECT r.ledger_seq FROM wq_runs r WHERE r.id = NEW.run_id),
+               (SELECT max(e.seq) FROM wq_events e WHERE e.run_id = NEW.run_id))
+      INTO v_last;
+    NEW.seq := coalesce(v_last, 0) + 1;
     RETURN NEW;
 END;
 $$;
@@ -933,6 +869,129 @@ CREATE FUNCTION public.wq_lease_lapsed(p_owner text, p_expires_at timestamp with
     LANGUAGE sql
     AS $$
     SELECT p_expires_at < p_at OR wq_worker_gone(p_owner, p_at)
+$$;
+
+--
+-- Name: wq_events; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_events (
+    id bigint NOT NULL,
+    run_id uuid NOT NULL,
+    attempt integer,
+    kind text NOT NULL,
+    data jsonb DEFAULT '{}'::jsonb NOT NULL,
+    at timestamp with time zone DEFAULT now() NOT NULL,
+    seq bigint NOT NULL,
+    idempotency_key text
+);
+
+--
+-- Name: wq_ledger_appended(public.wq_events[], boolean, text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_appended(p_events public.wq_events[], p_notify boolean DEFAULT true, p_heard text[] DEFAULT NULL::text[]) RETURNS void
+    LANGUAGE plpgsql
+    AS $$
+DECLARE
+    v_ids text[];
+    v_folded boolean;  -- an event besides run_created: the progress fold has work
+    v_progress boolean;
+    v_http boolean;
+BEGIN
+    SELECT array_agg(DISTINCT r.id)
+      INTO v_ids
+      FROM (SELECT a.run_id::text AS id FROM unnest(p_events) a WHERE p_notify
+            UNION ALL
+            SELECT h FROM unnest(p_heard) h) r;
+    -- The listeners (`worker observe`, `worker result --wait`, `worker events --follow`):
+    -- one NOTIFY per 200 runs of the statement, not one per event.
+    FOR i IN 1 .. coalesce(cardinality(v_ids), 0) BY 200 LOOP
+        PERFORM pg_notify('wq_run_events', array_to_string(v_ids[i:i + 199], ','));
+    END LOOP;
+    SELECT bool_or(a.kind <> 'run_created') INTO v_folded FROM unnest(p_events) a;
+    IF v_folded IS NULL THEN
+        RETURN;  -- nothing appended: nothing to deliver
+    END IF;
+    -- The sinks, read once (a handful of rows): with nothing to deliver (no HTTP sink
+    -- enabled, the usual case) no insert runs at all.
+    SELECT coalesce(bool_or(s.kind = 'progress'), false),
+           coalesce(bool_or(s.kind <> 'progress'), false)
+      INTO v_progress, v_http
+      FROM wq_sinks s
+     WHERE s.enabled;
+    IF v_http THEN
+        INSERT INTO wq_outbox (event_id, run_id, seq, sink)
+        SELECT a.id, a.run_id, a.seq, s.name
+          FROM unnest(p_events) a
+         CROSS JOIN wq_sinks s
+         WHERE s.enabled
+           AND s.kind <> 'progress'
+         ORDER BY a.run_id, a.seq, s.name
+        ON CONFLICT DO NOTHING;  -- an event already delivered to that sink
+        -- The projectors: deliveries are due (their channel, migration 0033).
+        PERFORM pg_notify('wq_outbox', '');
+    END IF;
+    IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
+        -- The progress fold (migration 0030): every column only moves forward, the
+        -- statement's runs in run id order.
+        WITH folded AS (
+            SELECT e.run_id, e.seq, e.attempt,
+                   CASE WHEN e.kind = 'rows_admitted'
+                             AND jsonb_typeof(e.data -> 'rows_admitted') = 'number'
+                        THEN (e.data ->> 'rows_admitted')::numeric::bigint END AS rows_admitted,
+                   CASE WHEN e.kind = 'rows_completed'
+                             AND jsonb_typeof(e.data -> 'rows_done') = 'number'
+                        THEN (e.data ->> 'rows_done')::numeric::bigint END AS rows_done,
+                   CASE e.kind
+                        WHEN 'run_retried' THEN 'queued'
+                        WHEN 'attempt_started' THEN 'running'
+                        WHEN 'cleanup_started' THEN 'running'
+                        WHEN 'retry_scheduled' THEN 'queued'
+                        WHEN 'run_interrupted' THEN 'queued'
+                        WHEN 'run_handed_back' THEN 'queued'
+                        WHEN 'run_sleeping' THEN 'sleeping'
+                        WHEN 'run_waiting' THEN 'sleeping'
+                        WHEN 'run_succeeded' THEN 'succeeded'
+                        WHEN 'run_failed' THEN 'failed'
+                        WHEN 'run_cancelled' THEN 'cancelled'
+                        WHEN 'lease_expired' THEN
+                            CASE WHEN e.data ->> 'next_state' IN ('queued', 'failed', 'cancelled')
+                                 THEN e.data ->> 'next_state' END
+                   END::wq_run_state AS state
+              FROM unnest(p_events) e
+             WHERE e.kind <> 'run_created'
+        ), per_run AS (
+            SELECT run_id,
+                   max(seq) AS last_event_seq,
+                   max(attempt) AS attempt,
+                   max(rows_admitted) AS rows_admitted,
+                   max(rows_done) AS rows_done,
+                   (array_agg(state ORDER BY seq DESC) FILTER (WHERE state IS NOT NULL))[1]
+                       AS state,
+                   max(seq) FILTER (WHERE state IS NOT NULL) AS state_seq
+              FROM folded
+             GROUP BY run_id
+        )
+        INSERT INTO wq_progress AS p
+            (run_id, state, state_seq, attempt, rows_admitted, rows_done, last_event_seq,
+             updated_at)
+        SELECT run_id, coalesce(state, 'queued'), coalesce(state_seq, 1), attempt,
+               coalesce(rows_admitted, 0), coalesce(rows_done, 0), last_event_seq,
+               clock_timestamp()
+          FROM per_run
+         ORDER BY run_id  -- progress rows are locked in run id order
+        ON CONFLICT (run_id) DO UPDATE SET
+            state = CASE WHEN excluded.state_seq > p.state_seq THEN excluded.state
+                         ELSE p.state END,
+            state_seq = greatest(p.state_seq, excluded.state_seq),
+            attempt = greatest(p.attempt, excluded.attempt),
+            rows_admitted = greatest(p.rows_admitted, excluded.rows_admitted),
+            rows_done = greatest(p.rows_done, excluded.rows_done),
+            last_event_seq = greatest(p.last_event_seq, excluded.last_event_seq),
+            updated_at = excluded.updated_at;
+    END IF;
+END;
 $$;
 
 --
@@ -1141,6 +1200,19 @@ BEGIN
     END IF;
     RETURN NEW;
 END
+$$;
+
+--
+-- Name: wq_runs_gone(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_runs_gone() RETURNS trigger
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    DELETE FROM wq_outbox o USING gone g WHERE o.run_id = g.id;
+    RETURN NULL;
+END;
 $$;
 
 --
@@ -2380,21 +2452,6 @@ CREATE TABLE public.wq_emitted_events (
 );
 
 --
--- Name: wq_events; Type: TABLE; Schema: public; Owner: -
---
-
-CREATE TABLE public.wq_events (
-    id bigint NOT NULL,
-    run_id uuid NOT NULL,
-    attempt integer,
-    kind text NOT NULL,
-    data jsonb DEFAULT '{}'::jsonb NOT NULL,
-    at timestamp with time zone DEFAULT now() NOT NULL,
-    seq bigint NOT NULL,
-    idempotency_key text
-);
-
---
 -- Name: wq_events_id_seq; Type: SEQUENCE; Schema: public; Owner: -
 --
 
@@ -2683,7 +2740,7 @@ ALTER TABLE public.wq_operator_actions ALTER COLUMN id ADD GENERATED ALWAYS AS I
 
 CREATE TABLE public.wq_outbox (
     id bigint NOT NULL,
-    event_id bigint NOT NULL,
+    event_id bigint,
     sink text NOT NULL,
     status public.wq_delivery_status DEFAULT 'pending'::public.wq_delivery_status NOT NULL,
     attempts integer DEFAULT 0 NOT NULL,
@@ -2692,7 +2749,9 @@ CREATE TABLE public.wq_outbox (
     next_attempt_at timestamp with time zone DEFAULT now() NOT NULL,
     last_error text,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
-    delivered_at timestamp with time zone
+    delivered_at timestamp with time zone,
+    run_id uuid,
+    seq bigint
 );
 
 --
@@ -3277,6 +3336,12 @@ CREATE INDEX wq_operator_actions_lane_idx ON public.wq_operator_actions USING bt
 CREATE INDEX wq_outbox_due_idx ON public.wq_outbox USING btree (sink, next_attempt_at, id) WHERE (status = 'pending'::public.wq_delivery_status);
 
 --
+-- Name: wq_outbox_run_seq_sink_key; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX wq_outbox_run_seq_sink_key ON public.wq_outbox USING btree (run_id, seq, sink);
+
+--
 -- Name: wq_receipts_owner_idx; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -3431,6 +3496,12 @@ CREATE TRIGGER wq_lanes_above_floor BEFORE INSERT OR UPDATE OF schema_version ON
 --
 
 CREATE TRIGGER wq_lanes_kept BEFORE DELETE OR UPDATE OF name ON public.wq_lanes FOR EACH ROW EXECUTE FUNCTION public.wq_named_row_kept('lane', 'its runs are pinned to it', 'a lane is reclaimed, never deleted or renamed', 'stop its admissions with `worker queues drain {}`, then `worker queues reclaim {}` once it is empty', 'release');
+
+--
+-- Name: wq_runs wq_runs_gone; Type: TRIGGER; Schema: public; Owner: -
+--
+
+CREATE TRIGGER wq_runs_gone AFTER DELETE ON public.wq_runs REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.wq_runs_gone();
 
 --
 -- Name: wq_sinks wq_sinks_kept; Type: TRIGGER; Schema: public; Owner: -

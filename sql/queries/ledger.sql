@@ -77,14 +77,25 @@ WITH picked AS (
            attempts = o.attempts + 1
       FROM picked
      WHERE o.id = picked.id
-    RETURNING o.id, o.event_id, o.sink, o.attempts, o.lease_expires_at
+    RETURNING o.id, o.event_id, o.run_id, o.seq, o.sink, o.attempts, o.lease_expires_at
 )
+-- A delivery names its event by (run_id, seq) (migration 0038), read from the ledger view
+-- (the event may be one a state row stands for); one written before that names it by
+-- event_id alone.
 SELECT l.id, l.sink, s.url, l.attempts, l.lease_expires_at,
        coalesce(%(now)s::timestamptz, now()) AS leased_at,
        e.id AS event_id, e.run_id, e.seq, e.attempt, e.kind, e.data, e.idempotency_key, e.at
   FROM leased l
   JOIN wq_sinks s ON s.name = l.sink
-  JOIN wq_events e ON e.id = l.event_id
+ CROSS JOIN LATERAL (
+        SELECT v.id, v.run_id, v.seq, v.attempt, v.kind, v.data, v.idempotency_key, v.at
+          FROM wq_ledger v
+         WHERE v.run_id = l.run_id AND v.seq = l.seq
+        UNION ALL
+        SELECT w.id, w.run_id, w.seq, w.attempt, w.kind, w.data, w.idempotency_key, w.at
+          FROM wq_events w
+         WHERE l.run_id IS NULL AND w.id = l.event_id
+       ) e
  ORDER BY e.run_id, e.seq, l.sink;
 
 -- name: outbox_delivered :many

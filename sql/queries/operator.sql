@@ -26,9 +26,23 @@ SELECT state::text AS state
 -- job on its own lane, a new attempt sequence (the budget counts attempts after
 -- retry_floor), its receipts, write intents and ledger kept. Re-checks the state, so a
 -- second retry that waited for the first's lock changes nothing (no row).
-WITH retried AS (
+--
+-- A finishing event the run row stands for (a run ended without an attempt: its
+-- ledger_end_* columns) is kept as a stored event first: the row has room for one, and the
+-- run may end that way again. Stored already (written before the ledger's contract step,
+-- migration 0039), it is not copied.
+WITH prior AS (
+    SELECT r.id, r.ledger_end_seq, r.ledger_end_kind, r.ledger_end_data, r.ledger_end_at
+      FROM wq_runs r
+     WHERE r.id = %(run_id)s
+       AND r.ledger_end_seq IS NOT NULL
+), retried AS (
     UPDATE wq_runs r
        SET state = 'queued',
+           ledger_end_seq = NULL,
+           ledger_end_kind = NULL,
+           ledger_end_data = NULL,
+           ledger_end_at = NULL,
            retry_floor = r.attempt,
            job_id = wq_transport_next_id(),
            available_at = NULL,
@@ -47,6 +61,13 @@ WITH retried AS (
     -- The transport (migration 0013). One row, read by the final SELECT so that it runs.
     SELECT wq_transport_spawn(array_agg(job_id), array_agg(lane), array_agg(id)) AS spawned
       FROM retried
+), ended AS (
+    INSERT INTO wq_events (run_id, seq, kind, data, at)
+    SELECT b.id, b.ledger_end_seq, b.ledger_end_kind, b.ledger_end_data, b.ledger_end_at
+      FROM prior b
+      JOIN retried USING (id)
+     WHERE NOT EXISTS (SELECT 1 FROM wq_events e
+                        WHERE e.run_id = b.id AND e.seq = b.ledger_end_seq)
 ), event AS (
     INSERT INTO wq_events (run_id, kind, data)
     SELECT id, 'run_retried',

@@ -148,7 +148,7 @@ WITH input AS (
      WHERE r.id = f.id
     RETURNING r.id, r.ledger_seq
 ), expired AS (
-    -- The event as the attempt row holds it and wq_events still gets it.
+    -- The event as the attempt row holds it.
     SELECT f.id, f.attempt, n.ledger_seq AS seq,
            jsonb_strip_nulls(jsonb_build_object(
                'lease_owner', f.lease_owner, 'next_state', f.state, 'retry_at', f.retry_at,
@@ -174,10 +174,12 @@ WITH input AS (
       FROM fenced f
       JOIN expired x ON x.id = f.id
      WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome = 'running'
+    RETURNING a.run_id, a.attempt, a.end_seq, a.end_kind, a.end_data
 ), events AS (
+    -- Read from the attempt rows written, so the event trigger finds them (migration 0039).
     INSERT INTO wq_events (run_id, attempt, kind, data, seq)
-    SELECT x.id, x.attempt, 'lease_expired', x.data, x.seq
-      FROM expired x
+    SELECT w.run_id, w.attempt, w.end_kind, w.end_data, w.end_seq
+      FROM attempts w
 )
 SELECT f.id AS run_id, f.attempt, f.lane, f.state, f.new_job_id AS job_id, f.retry_at
   FROM fenced f

@@ -103,15 +103,18 @@ WITH taken AS (
                              AND a.outcome IN ('interrupted', 'lease_expired'))
               ELSE false END AS resumed
 ), attempt AS (
-    -- The attempt row stands for its start event (wq_ledger); the expand release still
-    -- appends it to wq_events too, with the same seq.
+    -- The attempt row stands for its start event (wq_ledger). Until the ledger's contract
+    -- step (migration 0039) wq_events stores it too; the event is read from the row
+    -- written, so that row is there when the event trigger looks for it.
     INSERT INTO wq_attempts (run_id, attempt, worker_id, start_seq, cleanup)
     SELECT id, attempt, %(worker)s, ledger_seq, cleanup FROM claimed
+    RETURNING run_id, attempt, start_seq, cleanup
 ), event AS (
     INSERT INTO wq_events (run_id, attempt, kind, data, seq)
-    SELECT id, attempt, CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
-           jsonb_build_object('worker', %(worker)s::text), ledger_seq
-      FROM claimed
+    SELECT run_id, attempt,
+           CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
+           jsonb_build_object('worker', %(worker)s::text), start_seq
+      FROM attempt
 ), waiting AS (
     -- The set of workers waiting for work (migration 0032: a spawn wakes them in turns):
     -- taking fewer jobs than asked for, the worker waits; taking all, it does not. Only a
@@ -309,7 +312,7 @@ WITH input AS (
      WHERE r.id = f.id
     RETURNING r.id, r.ledger_seq
 ), outcome AS (
-    -- The outcome's event as the attempt row holds it and wq_events still gets it.
+    -- The outcome's event as the attempt row holds it.
     SELECT f.id, f.attempt, f.kind, n.ledger_seq AS seq,
            -- The event names the error; its traceback stays on the attempt and the run.
            jsonb_strip_nulls(jsonb_build_object('error', f.error - 'traceback',
@@ -336,10 +339,12 @@ WITH input AS (
       FROM applying f
       JOIN outcome o ON o.id = f.id
      WHERE a.run_id = f.id AND a.attempt = f.attempt
+    RETURNING a.run_id, a.attempt, a.end_seq, a.end_kind, a.end_data
 ), events AS (
+    -- Read from the attempt rows written (see the claim's `event`).
     INSERT INTO wq_events (run_id, attempt, kind, data, seq)
-    SELECT o.id, o.attempt, o.kind, o.data, o.seq
-      FROM outcome o
+    SELECT w.run_id, w.attempt, w.end_kind, w.end_data, w.end_seq
+      FROM attempts w
 ), refused AS (
     -- Both checks are scalar subqueries, read per input row and the second only for a row
     -- the fence did not take (rare): as anti joins, a plan cached while wq_attempts was

@@ -55,6 +55,10 @@ async def plans_of_a_claim(conn: Conn, limit: int, orgs: int, *, stale: bool = F
     ]
     for start in range(0, HISTORY, 1000):
         await admission.submit_many(conn, subs[start : start + 1000])
+    # Their stored events (wq_events holds what no state row does: steps, play events).
+    await conn.execute(
+        "INSERT INTO wq_events (run_id, kind, data) SELECT id, 'app.note', '{}' FROM wq_runs"
+    )
     if not stale:
         await conn.execute("ANALYZE wq_runs, procrastinate_jobs, wq_events")
     plans = await explained(conn, "auto_explain.log_nested_statements = on")

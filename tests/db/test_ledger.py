@@ -47,10 +47,12 @@ async def last(conn: Conn, run_id: uuid.UUID, kind: str) -> runs.Event:
 
 
 async def outbox(conn: Conn, run_id: uuid.UUID) -> list[tuple[int, str, str]]:
-    """(seq, sink, status) of every outbox row of a run."""
+    """(seq, sink, status) of every outbox row of a run: a delivery names its event by
+    (run_id, seq) (migration 0038), one written before by event_id alone."""
     cur = await conn.execute(
-        "SELECT e.seq, o.sink, o.status::text FROM wq_outbox o"
-        " JOIN wq_events e ON e.id = o.event_id WHERE e.run_id = %s ORDER BY e.seq, o.sink",
+        "SELECT coalesce(o.seq, e.seq) AS seq, o.sink, o.status::text"
+        "  FROM wq_outbox o LEFT JOIN wq_events e ON e.id = o.event_id"
+        " WHERE coalesce(o.run_id, e.run_id) = %s ORDER BY 1, o.sink",
         (run_id,),
     )
     return [(int(seq), str(sink), str(status)) for seq, sink, status in await cur.fetchall()]
@@ -383,8 +385,9 @@ async def test_delivered_rows_go_with_their_run(conn: Conn) -> None:
 
 
 async def test_retention_takes_every_outbox_row_of_its_runs_and_no_other(conn: Conn) -> None:
-    """The outbox rows of deleted events go with them (wq_events_gone, migration 0027):
-    pending and delivered ones, of every sink, and none of a run that stays."""
+    """The outbox rows of deleted runs go with them (wq_events_gone, migration 0027, and
+    wq_runs_gone, migration 0038): pending and delivered ones, of every sink, also those of
+    events a state row stands for, and none of a run that stays."""
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     gone = [await attempts.admit(conn) for _ in range(3)]
     kept = await attempts.admit(conn)
@@ -402,7 +405,8 @@ async def test_retention_takes_every_outbox_row_of_its_runs_and_no_other(conn: C
     assert kept_rows and await outbox(conn, kept) == kept_rows
     cur = await conn.execute(
         "SELECT count(*) FROM wq_outbox o"
-        " WHERE NOT EXISTS (SELECT 1 FROM wq_events e WHERE e.id = o.event_id)"
+        " WHERE NOT EXISTS (SELECT 1 FROM wq_ledger e"
+        "                    WHERE e.run_id = o.run_id AND e.seq = o.seq)"
         "    OR NOT EXISTS (SELECT 1 FROM wq_sinks s WHERE s.name = o.sink)"
     )
     assert await cur.fetchone() == (0,)
@@ -554,7 +558,23 @@ async def test_migration_0030_folds_the_progress_deliveries_left_pending(conn: C
     sinks' rows alone."""
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     a = await attempts.start(conn)
-    # What a database before 0030 held: a pending progress row per event, no projection.
+    # What a database before 0030 held: its events stored (no state row stands for them),
+    # a pending progress row per event named by its id, no projection.
+    await conn.execute(
+        "UPDATE wq_runs SET created_lane = NULL, ledger_seq = NULL WHERE id = %s", (a.run_id,)
+    )
+    await conn.execute("UPDATE wq_attempts SET start_seq = NULL WHERE run_id = %s", (a.run_id,))
+    await conn.execute("DELETE FROM wq_outbox WHERE run_id = %s", (a.run_id,))
+    await conn.execute(
+        "INSERT INTO wq_events (run_id, attempt, kind, data)"
+        " VALUES (%(r)s, NULL, 'run_created', '{}'), (%(r)s, 1, 'attempt_started', '{}')",
+        {"r": a.run_id},
+    )
+    await conn.execute(
+        "UPDATE wq_outbox o SET run_id = NULL, seq = NULL FROM wq_events e"
+        " WHERE e.id = o.event_id AND e.run_id = %s",
+        (a.run_id,),
+    )
     await conn.execute("DELETE FROM wq_progress WHERE run_id = %s", (a.run_id,))
     await conn.execute(
         "INSERT INTO wq_outbox (event_id, sink)"

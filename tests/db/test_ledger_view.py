@@ -1,14 +1,20 @@
-"""The ledger view (``wq_ledger``) against the event table (docs/design.md, section 11b).
+"""The ledger view (``wq_ledger``) on both sides of its contract step (docs/design.md,
+section 11b).
 
-The expand release writes every lifecycle event twice: on its state row (the attempt row,
-or the run row) and in ``wq_events``. These tests run the lifecycle's scenarios with the
-real statements and check, per run, that
+Before the step (migration 0039) every lifecycle event is written twice: on its state row
+(the attempt row, or the run row) and in ``wq_events``; that is the expand release's
+ledger, and the previous release reads ``wq_events`` alone. After it, an event a state
+row stands for is no longer stored. These tests run the lifecycle's scenarios with the
+real statements under the expand release's event trigger (0037's, put back in the test's
+transaction) and under the contract step's, and check, per run, that
 
-- the ledger read from the view (what ``worker events``, ``--follow``, the dashboard read)
-  is today's ledger read from ``wq_events`` alone: the same kinds, seqs, attempts, data and
-  order, gapless from 1; and
-- every event the state rows stand for (``wq_ledger_state``) is the ``wq_events`` row of its
-  (run_id, seq) in kind, attempt and data: what lets a later release stop the inserts.
+- before the step, the ledger read from the view (what ``worker events``, ``--follow``,
+  the dashboard read) is the ledger read from ``wq_events`` alone, and every event a state
+  row stands for is the ``wq_events`` row of its (run_id, seq);
+- after it, the view shows the same ledger (kinds, seqs, attempts, data, order, gapless
+  from 1) while ``wq_events`` holds none of the events a state row stands for; and
+- the step itself, applied to a database the expand release wrote, keeps every ledger as
+  it was.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 
 import psycopg
 
-from queues import admission, children, lanes, operator, options, recovery, runs
+from queues import admission, children, lanes, migrations, operator, options, recovery, runs
 from queues.options import RunOptions
 from queues.outcomes import cancelled, failed, succeeded, suspended
 from tests import attempts
@@ -147,6 +153,14 @@ async def _scenarios(conn: Conn) -> dict[str, uuid.UUID]:
     await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
     made["operator_retry"] = a.run_id
 
+    # A run ended without an attempt, retried by an operator, and ended that way again: the
+    # run row has room for one finishing event, so the retry keeps the first one stored.
+    run_id = await attempts.admit(conn)
+    await runs.cancel(conn, run_id, reason="first", actor="ops")
+    await operator.retry(conn, run_id, actor="ops", reason="again")
+    await runs.cancel(conn, run_id, reason="second", actor="ops")
+    made["cancel_retried"] = run_id
+
     # A child run, spawned by a running attempt, run to success.
     parent = await attempts.start(conn)
     spawned = await children.spawn(
@@ -207,6 +221,39 @@ async def _scenarios(conn: Conn) -> dict[str, uuid.UUID]:
     return made
 
 
+def _migration(number: int) -> str:
+    [found] = [m.sql for m in migrations.code_migrations() if m.number == number]
+    return found
+
+
+async def _expand_era(conn: Conn) -> None:
+    """The expand release's event trigger (migration 0037's), in the test's transaction:
+    every lifecycle event is stored in wq_events as well."""
+    sql = _migration(37)
+    start = sql.index("CREATE OR REPLACE FUNCTION wq_events_sequence()")
+    await conn.execute(sql[start : sql.index("\n$$;", start) + 4].encode())
+
+
+async def _ledgers(conn: Conn, made: dict[str, uuid.UUID], relation: str) -> dict[str, Any]:
+    """Each scenario's ledger from ``relation``, its run ids, job ids and retry times named
+    apart, so the same scenario run twice gives the same ledger."""
+    names = {str(run_id): name for name, run_id in made.items()}
+    # A job's id (a sequence's) and a retry's time (jittered) differ from run to run.
+    apart = {"job_id": "job", "old_job_id": "job", "retry_at": "time", "spawn_at": "time"}
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: apart.get(k, plain(v)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return names.get(value, value) if isinstance(value, str) else value
+
+    return {
+        name: [(s, k, a, plain(d)) for s, k, a, d in await _rows(conn, relation, run_id)]
+        for name, run_id in made.items()
+    }
+
+
 async def _rows(conn: Conn, relation: str, run_id: uuid.UUID) -> list[Row]:
     cur = await conn.execute(
         f"SELECT seq, kind, attempt, data FROM {relation} WHERE run_id = %s ORDER BY seq",
@@ -215,7 +262,10 @@ async def _rows(conn: Conn, relation: str, run_id: uuid.UUID) -> list[Row]:
     return [(int(s), k, a, d) for s, k, a, d in await cur.fetchall()]
 
 
-async def test_the_view_shows_each_runs_ledger_as_wq_events_does(conn: Conn) -> None:
+async def test_before_the_contract_the_view_shows_each_runs_ledger_as_wq_events_does(
+    conn: Conn,
+) -> None:
+    await _expand_era(conn)
     made = await _scenarios(conn)
     for name, run_id in made.items():
         from_events = await _rows(conn, "wq_events", run_id)
@@ -249,6 +299,12 @@ async def test_the_view_shows_each_runs_ledger_as_wq_events_does(conn: Conn) -> 
     assert "cleanup_started" in kinds["cleanup"]
     for name in ("drop_unknown_play", "drop_late", "expire_unstarted"):
         assert kinds[name] == ["run_created", "run_failed"], name
+    assert kinds["cancel_retried"] == [
+        "run_created",
+        "run_cancelled",
+        "run_retried",
+        "run_cancelled",
+    ]
     assert kinds["orphan_cancelled"] == [
         "run_created",
         "attempt_started",
@@ -258,6 +314,7 @@ async def test_the_view_shows_each_runs_ledger_as_wq_events_does(conn: Conn) -> 
 
 
 async def test_each_event_a_state_row_stands_for_is_the_row_wq_events_holds(conn: Conn) -> None:
+    await _expand_era(conn)
     made = await _scenarios(conn)
     seen: set[str] = set()
     for name, run_id in made.items():
@@ -269,9 +326,12 @@ async def test_each_event_a_state_row_stands_for_is_the_row_wq_events_holds(conn
             assert row == events.get(row[0]), f"{name}: state row {row} vs wq_events"
             seen.add(row[1])
         # Every lifecycle event of wq_events has its state row (what the contract stops
-        # inserting), except those that only the previous release's statements write.
+        # inserting), except those that only the previous release's statements write and
+        # a finishing event the run row gave up to an operator's retry (seq 2 of
+        # cancel_retried: the retry stores it, from the contract step on).
         standing = {s for s, k, _, _ in events.values() if k in STATE_KINDS}
-        assert standing <= set(seqs), f"{name}: no state row for seqs {standing - set(seqs)}"
+        kept = {2} if name == "cancel_retried" else set()
+        assert standing - set(seqs) == kept, f"{name}: no state row for {standing - set(seqs)}"
     assert seen == STATE_KINDS
 
 
@@ -280,6 +340,7 @@ async def test_a_run_numbered_before_the_counter_is_seeded_from_its_last_event(
 ) -> None:
     # A run admitted by the previous release's code path has no counter: the first
     # statement that numbers an event starts after its last one.
+    await _expand_era(conn)
     run_id = await attempts.admit(conn)
     await conn.execute(
         "UPDATE wq_runs SET ledger_seq = NULL, created_lane = NULL WHERE id = %s", (run_id,)
@@ -304,8 +365,9 @@ async def test_a_run_numbered_before_the_counter_is_seeded_from_its_last_event(
 async def test_an_event_given_a_taken_seq_is_refused_as_a_serialization_failure(
     conn: Conn,
 ) -> None:
-    # The race the trigger guards: a writer took seq n from the counter while an older
-    # release's append (numbered without it) took n first.
+    # The race the expand release's trigger guards: a writer took seq n from the counter
+    # while an older release's append (numbered without it) took n first.
+    await _expand_era(conn)
     a = await attempts.start(conn)
     await conn.execute(
         "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'app.note', '{}')", (a.run_id,)
@@ -320,3 +382,75 @@ async def test_an_event_given_a_taken_seq_is_refused_as_a_serialization_failure(
         assert "next seq is 4" in str(exc)
     else:
         raise AssertionError("a taken seq was stored")
+
+
+async def _expand_ledgers(conn: Conn) -> dict[str, Any]:
+    """The scenarios' ledgers as the expand release stores them (wq_events alone), in a
+    savepoint rolled back after: the database as it was before."""
+    try:
+        async with conn.transaction():
+            await _expand_era(conn)
+            expected = await _ledgers(conn, await _scenarios(conn), "wq_events")
+            raise _Undo
+    except _Undo:
+        return expected
+
+
+class _Undo(Exception):
+    pass
+
+
+async def _held_in_wq_events(conn: Conn, made: dict[str, uuid.UUID]) -> list[Any]:
+    cur = await conn.execute(
+        "SELECT e.run_id, e.seq, e.kind FROM wq_events e"
+        "  JOIN wq_ledger_state s ON s.run_id = e.run_id AND s.seq = e.seq"
+        " WHERE e.run_id = ANY(%s)",
+        (list(made.values()),),
+    )
+    return await cur.fetchall()
+
+
+async def test_after_the_contract_the_view_shows_the_same_ledgers_and_wq_events_none_twice(
+    conn: Conn,
+) -> None:
+    expected = await _expand_ledgers(conn)
+    made = await _scenarios(conn)
+    got = await _ledgers(conn, made, "wq_ledger")
+    for name, ledger in expected.items():
+        assert got[name] == ledger, name
+    assert got.keys() == expected.keys()
+    assert await _held_in_wq_events(conn, made) == []
+    # What is stored is what no state row holds: the first of two finishing events of a
+    # run ended twice without an attempt (kept by the operator's retry), steps, operator
+    # and play events; the lifecycle's own are gone from the table.
+    stored = {n: [k for _, k, _, _ in await _rows(conn, "wq_events", r)] for n, r in made.items()}
+    assert stored["success"] == []
+    assert stored["cancel_retried"] == ["run_cancelled", "run_retried"]
+    assert stored["cancel_running"] == ["cancel_requested"]
+    for name, run_id in made.items():
+        read = await runs.events(conn, run_id)
+        assert [e.seq for e in read] == list(range(1, len(read) + 1)), name
+
+
+async def test_the_contract_step_keeps_every_ledger_the_expand_release_wrote(
+    conn: Conn,
+) -> None:
+    await conn.execute(
+        "INSERT INTO wq_sinks (name, kind, url) VALUES ('crm', 'http', 'http://127.0.0.1:9/')"
+    )
+    await _expand_era(conn)
+    made = await _scenarios(conn)
+    before = await _ledgers(conn, made, "wq_ledger")
+    assert await _held_in_wq_events(conn, made) != []
+    await conn.execute(_migration(39).encode())
+    assert await _ledgers(conn, made, "wq_ledger") == before
+    assert await _held_in_wq_events(conn, made) == []
+    # Each delivery still names its event, by (run_id, seq), the event as the view shows it.
+    cur = await conn.execute(
+        "SELECT count(*), count(*) FILTER (WHERE NOT EXISTS ("
+        "    SELECT 1 FROM wq_ledger v WHERE v.run_id = o.run_id AND v.seq = o.seq))"
+        "  FROM wq_outbox o WHERE o.run_id = ANY(%s)",
+        (list(made.values()),),
+    )
+    total, lost = await cur.fetchone() or (0, 0)
+    assert total > 0 and lost == 0

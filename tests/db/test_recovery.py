@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import admission, lanes, outcomes, receipts, recovery, runs, transport
+from queues import admission, lanes, migrations, outcomes, receipts, recovery, runs, transport
 from queues.errors import InvalidField, LaneReclaimed
 from queues.fence import Fence
 from queues.lanes import RetryPolicy
@@ -670,9 +670,16 @@ async def test_stranded_report_lists_lanes_no_live_worker_serves(conn: Conn) -> 
     ]
     for wid, wlanes, beat, stopped in workers:
         await conn.execute(
-            "INSERT INTO wq_workers (id, lanes, release, host, pid, heartbeat_at, stopped_at)"
-            " VALUES (%(id)s, %(lanes)s, 'x', 'h', 1, %(beat)s, %(stopped)s)",
-            {"id": wid, "lanes": wlanes, "beat": beat, "stopped": stopped},
+            "INSERT INTO wq_workers"
+            " (id, lanes, release, host, pid, heartbeat_at, stopped_at, schema_version)"
+            " VALUES (%(id)s, %(lanes)s, 'x', 'h', 1, %(beat)s, %(stopped)s, %(schema)s)",
+            {
+                "id": wid,
+                "lanes": wlanes,
+                "beat": beat,
+                "stopped": stopped,
+                "schema": migrations.code_schema().version,
+            },
         )
 
     report = await recovery.run_once(conn, now=T0)

@@ -16,15 +16,15 @@ later one reuses. A venv that moved keeps working, but its scripts' ``#!`` lines
 its ``worker`` is always run as ``<venv>/bin/python <venv>/bin/worker``.
 
 The *new* release is this checkout plus one probe migration numbered after its highest: a
-``-- kind: expand`` one (a table ``wq_window_probe``) or a ``-- kind: contract`` one (a
-comment). This checkout's wheel is installed with ``pip install --no-deps --target`` once
-per checkout, shared by both scenarios (tests/releases.py, under a lock); each scenario
-copies that directory, writes its probe migration into the copy's ``queues/sql/migrations``
-(where the installed package reads its migrations) and runs it with the copy first on
-``PYTHONPATH``, ahead of this checkout's editable install; a probe process checks that the
-code it runs is the copy, with the probe migration as its highest. The installed directory
-is made in the background from the module's start, and each copy while the old release's
-lane is set up.
+``-- kind: expand`` one (a table ``wq_window_probe``; the checkout's trailing contract steps
+are left out then) or a ``-- kind: contract`` one (a comment). This checkout's wheel is
+installed with ``pip install --no-deps --target`` once per checkout, shared by both
+scenarios (tests/releases.py, under a lock); each scenario copies that directory, writes its
+probe migration into the copy's ``queues/sql/migrations`` (where the installed package reads
+its migrations) and runs it with the copy first on ``PYTHONPATH``, ahead of this checkout's
+editable install; a probe process checks that the code it runs is the copy, with the probe
+migration as its highest. The installed directory is made in the background from the
+module's start, and each copy while the old release's lane is set up.
 
 Both releases serve the plays of ``tests.release.plays`` from their own tree, and the old
 release's own smoke scenario (``python -m tests.release.smoke``) runs against the database
@@ -372,12 +372,21 @@ def installed_checkout() -> Iterator[Future[Path]]:
 
 
 def build_new(tmp: Path, kind: str, installed: Future[Path]) -> NewBuild:
-    """This checkout's installed copy plus one probe migration of ``kind``, in a directory."""
+    """This checkout's installed copy plus one probe migration of ``kind``, in a directory.
+
+    For an expand probe, the checkout's trailing contract steps are left out of the copy:
+    blocked by the old lane, they would make `worker migrate` refuse the expand probe after
+    them (section 4b); the contract scenario keeps them, before its probe."""
     target = tmp / "new-site"
     shutil.copytree(installed.result(), target, symlinks=True)
     migrations = target / "queues" / "sql" / "migrations"
+    assert highest_in(migrations) == highest_migration(ROOT), f"{target} is not this checkout's"
+    if kind == "expand":
+        for step in sorted(migrations.glob("*.sql"), reverse=True):
+            if not step.read_text().startswith("-- kind: contract"):
+                break
+            step.unlink()
     number = highest_in(migrations) + 1
-    assert number == highest_migration(ROOT) + 1, f"{target} is not this checkout's"
     probe_name = f"{number:04d}_window_probe"
     (migrations / f"{probe_name}.sql").write_text(PROBE_SQL[kind])
     app = app_path(ROOT, tmp / "new-app")
