@@ -1,11 +1,13 @@
 """The design's floor: what a run's required writes cost at their plainest.
 
 The design (docs/design.md) fixes what a run writes: admission is one statement that
-checks its lane under a share lock, inserts the launch row, spawns the run's procrastinate
-job and appends the ``run_created`` event (section 6, "Admission: the atomic submit"); a
-claim starts an attempt (the job taken, the run leased, the attempt and its
-``attempt_started`` event); the final write is fenced by the attempt and appends the run's
-terminal event (section 7, "Execution: attempts, leases and fences"). This system does exactly those
+checks its lane under a share lock, inserts the launch row (which stands for the
+``run_created`` event: section 11b) and spawns the run's procrastinate job (section 6,
+"Admission: the atomic submit"); a claim starts an attempt (the job taken, the run leased
+and its ledger counter moved, the attempt row, which stands for ``attempt_started``); the
+final write is fenced by the attempt and ends it, the attempt row standing for the run's
+terminal event (section 7, "Execution: attempts, leases and fences"). No lifecycle event
+is stored apart from its state row. This system does exactly those
 writes and nothing else: one plain SQL statement each, no function, no trigger of its own,
 minimal tables (a primary key and the idempotency key's index; no authority, options,
 progress, outbox, fairness or rate limits), and the project's transport table (procrastinate's
@@ -49,16 +51,13 @@ CREATE TABLE f_runs (
     state text NOT NULL DEFAULT 'queued', attempt integer NOT NULL DEFAULT 0,
     lease_owner text, lease_expires_at timestamptz, result jsonb,
     created_at timestamptz NOT NULL DEFAULT now(), started_at timestamptz,
-    finished_at timestamptz);
+    finished_at timestamptz, ledger_seq bigint NOT NULL DEFAULT 1);
 CREATE UNIQUE INDEX ON f_runs (org, idempotency_key) WHERE idempotency_key IS NOT NULL;
 CREATE TABLE f_attempts (
     run_id uuid NOT NULL, attempt integer NOT NULL, worker text NOT NULL,
     outcome text NOT NULL DEFAULT 'running', started_at timestamptz NOT NULL DEFAULT now(),
-    finished_at timestamptz, PRIMARY KEY (run_id, attempt));
-CREATE TABLE f_events (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, run_id uuid NOT NULL,
-    attempt integer, kind text NOT NULL, data jsonb NOT NULL DEFAULT '{}',
-    at timestamptz NOT NULL DEFAULT now());
+    finished_at timestamptz, start_seq bigint NOT NULL, end_seq bigint, end_kind text,
+    PRIMARY KEY (run_id, attempt));
 """
 
 # Admission (docs/design.md, section 6) for the runs of the arrays: nothing when the lane is not
@@ -77,17 +76,14 @@ WITH lane AS (
     SELECT run.job_id, 'floor', 'wq.run', jsonb_build_object('run_id', run.id, 'org', 'default')
       FROM run
     RETURNING id
-), event AS (
-    INSERT INTO f_events (run_id, kind, data)
-    SELECT run.id, 'run_created', '{"play": "noop", "lane": "floor", "org": "default"}'
-      FROM run
 )
 SELECT (SELECT count(*) FROM job), pg_notify(%(channel)s, '')
 """
 
-# A claim (docs/design.md, section 7): the due jobs taken in order, SKIP LOCKED; each run leased at
-# a new attempt, the attempt and its event written. Its commit need not wait for the WAL
-# flush (as the project's claim: queues.runs.claim says why).
+# A claim (docs/design.md, section 7): the due jobs taken in order, SKIP LOCKED; each run
+# leased at a new attempt (its seq from the run's counter), the attempt row written. Its
+# commit need not wait for the WAL flush (as the project's claim: queues.runs.claim says
+# why).
 CLAIM = """
 WITH picked AS (
     SELECT j.id FROM procrastinate_jobs j
@@ -103,15 +99,12 @@ WITH picked AS (
     UPDATE f_runs r
        SET state = 'running', attempt = r.attempt + 1, lease_owner = %(worker)s,
            lease_expires_at = now() + interval '60 seconds',
-           started_at = coalesce(r.started_at, now())
+           started_at = coalesce(r.started_at, now()), ledger_seq = r.ledger_seq + 1
      WHERE r.id = ANY (ARRAY(SELECT taken.run_id FROM taken)) AND r.state = 'queued'
-    RETURNING r.id, r.attempt, r.params
+    RETURNING r.id, r.attempt, r.params, r.ledger_seq
 ), attempt AS (
-    INSERT INTO f_attempts (run_id, attempt, worker) SELECT id, attempt, %(worker)s FROM run
-), event AS (
-    INSERT INTO f_events (run_id, attempt, kind, data)
-    SELECT id, attempt, 'attempt_started', jsonb_build_object('worker', %(worker)s::text)
-      FROM run
+    INSERT INTO f_attempts (run_id, attempt, worker, start_seq)
+    SELECT id, attempt, %(worker)s, ledger_seq FROM run
 ), lazy AS (
     SELECT set_config('synchronous_commit', 'off', true)
 )
@@ -119,24 +112,25 @@ SELECT run.id, run.attempt, run.params FROM run LEFT JOIN lazy ON true
 """
 
 # The final write, fenced in the statement: the run is running, at this attempt, under this
-# owner's lease; the attempt ends, the job is marked, the terminal event appended.
+# owner's lease; the attempt ends (its row standing for the terminal event), the job is
+# marked.
 FINISH = """
 WITH done AS (
     UPDATE f_runs r
        SET state = 'succeeded', result = 'null', lease_owner = NULL, lease_expires_at = NULL,
-           finished_at = now()
+           finished_at = now(), ledger_seq = r.ledger_seq + 1
       FROM unnest(%(ids)s::uuid[], %(attempts)s::int[]) AS d (id, attempt)
      WHERE r.id = ANY (%(ids)s::uuid[]) AND r.id = d.id AND r.attempt = d.attempt
        AND r.state = 'running' AND r.lease_owner = %(worker)s
-    RETURNING r.id, r.attempt, r.job_id
+    RETURNING r.id, r.attempt, r.job_id, r.ledger_seq
 ), attempt AS (
-    UPDATE f_attempts a SET outcome = 'succeeded', finished_at = now()
+    UPDATE f_attempts a
+       SET outcome = 'succeeded', finished_at = now(), end_seq = done.ledger_seq,
+           end_kind = 'run_succeeded'
       FROM done WHERE a.run_id = done.id AND a.attempt = done.attempt
 ), job AS (
     UPDATE procrastinate_jobs j SET status = 'succeeded'
      WHERE j.id = ANY (ARRAY(SELECT done.job_id FROM done))
-), event AS (
-    INSERT INTO f_events (run_id, attempt, kind) SELECT id, attempt, 'run_succeeded' FROM done
 )
 SELECT count(*) FROM done
 """

@@ -995,6 +995,30 @@ END;
 $$;
 
 --
+-- Name: wq_ledger_event(uuid, bigint, integer, text, jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_event(p_run uuid, p_seq bigint, p_attempt integer, p_kind text, p_data jsonb) RETURNS public.wq_events
+    LANGUAGE sql STABLE
+    AS $$
+    SELECT NULL::bigint, p_run, p_attempt, p_kind, coalesce(p_data, '{}'::jsonb), now(),
+           p_seq, NULL::text
+$$;
+
+--
+-- Name: wq_ledger_lifecycle(public.wq_events[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_lifecycle(p_events public.wq_events[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM wq_ledger_appended(p_events);
+    RETURN coalesce(cardinality(p_events), 0);
+END;
+$$;
+
+--
 -- Name: wq_ledger_next_seq(uuid, bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -1319,9 +1343,9 @@ BEGIN
 
     PERFORM wq_transport_spawn(ARRAY[v_job], ARRAY[p_lane], ARRAY[v_run], NULL,
                                ARRAY[p_priority]);
-    INSERT INTO wq_events (run_id, kind, data)
-    VALUES (v_run, 'run_created',
-            jsonb_build_object('play', p_play, 'lane', p_lane, 'org', p_org));
+    PERFORM wq_ledger_lifecycle(ARRAY[wq_ledger_event(
+        v_run, 1, NULL, 'run_created',
+        jsonb_build_object('play', p_play, 'lane', p_lane, 'org', p_org))]);
     IF p_input_pages IS NOT NULL AND cardinality(p_input_pages) > 0 THEN
         INSERT INTO wq_run_inputs (run_id, page, rows)
         SELECT v_run, p.ordinality - 1, p.rows
@@ -1347,6 +1371,7 @@ DECLARE
     v_ids uuid[];
     v_jobs bigint[];
     v_spawned integer;
+    v_noted integer;
     v_bad bigint;
     v_problem text[];
 BEGIN
@@ -1439,16 +1464,17 @@ BEGIN
         SELECT i.id, i.job, i.lane, i.priority, i.play, i.org
           FROM inserted n
           JOIN input i ON i.id = n.id
-    ), events AS (
-        INSERT INTO wq_events (run_id, kind, data)
-        SELECT m.id, 'run_created', jsonb_build_object('play', m.play, 'lane', m.lane, 'org', m.org)
-          FROM made m
     )
     SELECT array_agg(m.id), array_agg(m.job),
            (SELECT wq_transport_spawn(array_agg(x.job), array_agg(x.lane), array_agg(x.id),
                                       NULL, array_agg(x.priority))
+              FROM made x),
+           (SELECT wq_ledger_lifecycle(array_agg(wq_ledger_event(
+                       x.id, 1, NULL, 'run_created',
+                       jsonb_build_object('play', x.play, 'lane', x.lane, 'org', x.org))
+                       ORDER BY x.id))
               FROM made x)
-      INTO v_ids, v_jobs, v_spawned
+      INTO v_ids, v_jobs, v_spawned, v_noted
       FROM made m;
 
     -- The submissions that created nothing: retries of a key (or its second use in this

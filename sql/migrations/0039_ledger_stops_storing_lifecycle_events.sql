@@ -6,9 +6,10 @@
 -- wq_events alone, so none of its workers may be running and none of its lanes may hold
 -- unfinished runs when this applies.
 --
--- This release's statements still append every lifecycle event (the previous release's
--- readers need them until this step applies); the event trigger now keeps out each one a
--- state row holds, (run_id, seq) and kind, in the row the statement itself wrote: it does
+-- This release's statements still send every lifecycle event (the previous release's
+-- readers need them until this step applies). Those of the hot statements go through
+-- wq_ledger_lifecycle (migration 0038), which now stores none of them (below); for the
+-- others the event trigger keeps out each one a state row holds, (run_id, seq) and kind, in the row the statement itself wrote: it does
 -- what the append would have done (NOTIFY, a delivery per HTTP sink keyed by (run_id,
 -- seq), the progress fold: wq_ledger_appended, the same function the stored events go
 -- through) and stores nothing. An event no state row holds is stored and numbered as
@@ -111,5 +112,17 @@ BEGIN
       INTO v_last;
     NEW.seq := coalesce(v_last, 0) + 1;
     RETURN NEW;
+END;
+$$;
+
+-- The hot statements' lifecycle events (admission, the claim, the finish: migration
+-- 0038) are not stored either: what their append would do, for the statement's events at
+-- once.
+CREATE OR REPLACE FUNCTION wq_ledger_lifecycle(p_events wq_events[]) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM wq_ledger_appended(p_events);
+    RETURN coalesce(cardinality(p_events), 0);
 END;
 $$;

@@ -103,17 +103,18 @@ WITH taken AS (
                              AND a.outcome IN ('interrupted', 'lease_expired'))
               ELSE false END AS resumed
 ), attempt AS (
-    -- The attempt row stands for its start event (wq_ledger). Until the ledger's contract
-    -- step (migration 0039) wq_events stores it too; the event is read from the row
-    -- written, so that row is there when the event trigger looks for it.
     INSERT INTO wq_attempts (run_id, attempt, worker_id, start_seq, cleanup)
     SELECT id, attempt, %(worker)s, ledger_seq, cleanup FROM claimed
     RETURNING run_id, attempt, start_seq, cleanup
 ), event AS (
-    INSERT INTO wq_events (run_id, attempt, kind, data, seq)
-    SELECT run_id, attempt,
-           CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
-           jsonb_build_object('worker', %(worker)s::text), start_seq
+    -- The attempt row stands for its start event (wq_ledger), read from the row written;
+    -- wq_ledger_lifecycle stores it until the ledger's contract step (migration 0039),
+    -- then only notifies, delivers and folds it. One row, read by the final SELECT so
+    -- that it runs.
+    SELECT wq_ledger_lifecycle(array_agg(wq_ledger_event(
+               run_id, start_seq, attempt,
+               CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
+               jsonb_build_object('worker', %(worker)s::text)))) AS noted
       FROM attempt
 ), waiting AS (
     -- The set of workers waiting for work (migration 0032: a spawn wakes them in turns):
@@ -140,6 +141,7 @@ SELECT true AS claimed, c.id AS run_id, c.attempt, c.org, c.play, c.params, c.la
        c.retry_kind, c.retry_factor, c.timeout_at, c.meta, c.org_capped, c.resumed
   FROM claimed c
   LEFT JOIN lazy ON true
+ CROSS JOIN event
 UNION ALL
 SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
@@ -341,9 +343,10 @@ WITH input AS (
      WHERE a.run_id = f.id AND a.attempt = f.attempt
     RETURNING a.run_id, a.attempt, a.end_seq, a.end_kind, a.end_data
 ), events AS (
-    -- Read from the attempt rows written (see the claim's `event`).
-    INSERT INTO wq_events (run_id, attempt, kind, data, seq)
-    SELECT w.run_id, w.attempt, w.end_kind, w.end_data, w.end_seq
+    -- The outcomes' events, read from the attempt rows written (see the claim's `event`).
+    -- One row, read by the final SELECT so that it runs.
+    SELECT wq_ledger_lifecycle(array_agg(wq_ledger_event(
+               w.run_id, w.end_seq, w.attempt, w.end_kind, w.end_data))) AS noted
       FROM attempts w
 ), refused AS (
     -- Both checks are scalar subqueries, read per input row and the second only for a row
@@ -381,6 +384,7 @@ SELECT i.run_id, i.attempt,
             ELSE 'replayed' END AS status
   FROM input i
  CROSS JOIN jobs
+ CROSS JOIN events
   LEFT JOIN fenced f ON f.id = i.run_id AND f.attempt = i.attempt
   LEFT JOIN refused x ON x.run_id = i.run_id AND x.attempt = i.attempt;
 

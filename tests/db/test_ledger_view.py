@@ -226,12 +226,19 @@ def _migration(number: int) -> str:
     return found
 
 
+def _function(number: int, head: str) -> bytes:
+    sql = _migration(number)
+    start = sql.index(head)
+    body = sql[start : sql.index("\n$$;", start) + 4]
+    return body.replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1).encode()
+
+
 async def _expand_era(conn: Conn) -> None:
-    """The expand release's event trigger (migration 0037's), in the test's transaction:
-    every lifecycle event is stored in wq_events as well."""
-    sql = _migration(37)
-    start = sql.index("CREATE OR REPLACE FUNCTION wq_events_sequence()")
-    await conn.execute(sql[start : sql.index("\n$$;", start) + 4].encode())
+    """The database as the expand release left it, in the test's transaction: its event
+    trigger (migration 0037's) and its wq_ledger_lifecycle (0038's) store every lifecycle
+    event in wq_events as well."""
+    await conn.execute(_function(37, "CREATE OR REPLACE FUNCTION wq_events_sequence()"))
+    await conn.execute(_function(38, "CREATE FUNCTION wq_ledger_lifecycle("))
 
 
 async def _ledgers(conn: Conn, made: dict[str, uuid.UUID], relation: str) -> dict[str, Any]:
