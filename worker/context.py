@@ -240,7 +240,7 @@ class RunContext:
         (:func:`queues.sheets.sheet_name`): ``"Leads"`` and ``"leads"`` are one sheet."""
         name = sheets.sheet_name(name, "name")
         if name not in self._sheets:
-            self._sheets[name] = Sheet(self, name)
+            self._sheets[name] = Sheet(self._run, self.run_id, name)
         return self._sheets[name]
 
     # ---- the ledger -------------------------------------------------------------------

@@ -6,13 +6,12 @@ fenced by the attempt.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from queues import calls, sheets
-
-if TYPE_CHECKING:
-    from worker.context import RunContext
+from worker.steps import Run
 
 
 class Sheet:
@@ -25,8 +24,9 @@ class Sheet:
     for the attempt's later pages, so an attempt never supersedes its own earlier pages.
     """
 
-    def __init__(self, ctx: RunContext, name: str) -> None:
-        self.ctx = ctx
+    def __init__(self, run: Run, run_id: uuid.UUID, name: str) -> None:
+        self._run = run
+        self.run_id = run_id
         self.name = name
         self.write_version: int | None = None
 
@@ -45,7 +45,7 @@ class Sheet:
         default, so neither flag is sent unless it changes something: a receiver of the
         previous release, which refuses fields it does not define, serves these pages."""
         kind = calls.SheetStartWithIntent if stable_intent else calls.SheetStart
-        result: sheets.AdmitResult = await self.ctx._run(
+        result: sheets.AdmitResult = await self._run(
             kind(self.name, list(rows), self.write_version, pending_rerun_admission)
         )
         self.write_version = result.write_version
@@ -58,10 +58,10 @@ class Sheet:
         asks (``raise_on_superseded=True`` or ``result.raise_if_superseded(...)``); the
         receiver's stop signal (``supersededKeys``: the attempt fence refused the page)
         always raises ``SheetSuperseded``, the attempt must stop."""
-        result: sheets.CompletionResult = await self.ctx._run(
+        result: sheets.CompletionResult = await self._run(
             calls.SheetComplete(self.name, list(completions), self.write_version)
         )
-        result.raise_if_stopped(sheet=self.name, run_id=self.ctx.run_id)
+        result.raise_if_stopped(sheet=self.name, run_id=self.run_id)
         if raise_on_superseded:
-            result.raise_if_superseded(sheet=self.name, run_id=self.ctx.run_id)
+            result.raise_if_superseded(sheet=self.name, run_id=self.run_id)
         return result
