@@ -72,8 +72,19 @@ async def _scenarios(conn: Conn) -> dict[str, uuid.UUID]:
     lapsed = await attempts.start(conn)
     doomed = await attempts.start(conn)
     await runs.cancel(conn, doomed.run_id, reason="stop", actor="ops")
-    b = await attempts.supersede(conn, lapsed)
-    c = await attempts.claim(conn, now=b.now, run_id=doomed.run_id)
+    await attempts.rescue(conn, lapsed)
+    # Both due again: one claim takes both (which job comes first is the rescue's order).
+    later = lapsed.lapses_at + timedelta(minutes=10)
+    got = await runs.claim(
+        conn,
+        lanes=[lanes.lane_name(attempts.RELEASE)],
+        worker_id="w2",
+        limit=2,
+        plays=[PLAY],
+        now=later,
+    )
+    again = {x.run_id: attempts.Attempt(x.fence("w2"), x, later) for x in got if x.claimed}
+    b, c = again[lapsed.run_id], again[doomed.run_id]
     assert c.claimed.cleanup
     await _finish(conn, b, succeeded(b.run_id, b.fence.attempt, None))
     await _finish(conn, c, cancelled(c.run_id, c.fence.attempt, "stop"))
