@@ -389,6 +389,7 @@ class Sink:
     kind: str
     url: str | None
     enabled: bool
+    kinds: list[str] | None  # the kinds of event it gets (None: every kind)
     pending: int  # deliveries not delivered yet
     failing: int  # of which tried and failed at least once
     oldest_pending_s: float
@@ -400,6 +401,7 @@ class Sink:
             "kind": self.kind,
             "url": redact_url(self.url) if self.url else None,
             "enabled": self.enabled,
+            "kinds": self.kinds,
             "pending": self.pending,
             "failing": self.failing,
             "oldest_pending_s": round(self.oldest_pending_s, 3),
@@ -413,7 +415,37 @@ class SinkChange:
     kind: str
     url: str | None
     enabled: bool
+    kinds: list[str] | None
     created: bool
+
+
+SINK_KINDS_MAX = 100
+
+
+def validate_sink_kinds(kinds: Sequence[str] | None) -> list[str] | None:
+    """The kinds of event an HTTP sink asks for (the queue's own, ``SYSTEM_KINDS``, and a
+    play's), distinct and in order; None or empty: every kind."""
+    if not kinds:
+        return None
+    found: list[str] = []
+    for kind in kinds:
+        if not isinstance(kind, str) or not _KIND.match(kind):
+            raise InvalidField(
+                f"event kind {kind!r} is not a lowercase name",
+                field="--kind",
+                rule="1-100 characters: a lowercase letter, then letters, digits, '_' or '.'",
+                fix="name a kind the ledger shows, e.g. --kind run_succeeded --kind run_failed",
+            )
+        if kind not in found:
+            found.append(kind)
+    if len(found) > SINK_KINDS_MAX:
+        raise InvalidField(
+            f"{len(found)} kinds for one sink",
+            field="--kind",
+            rule=f"at most {SINK_KINDS_MAX} kinds",
+            fix="leave --kind out to deliver every kind",
+        )
+    return found
 
 
 def validate_sink_name(name: str) -> str:
@@ -455,13 +487,20 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def add_sink(conn: psycopg.AsyncConnection[Any], name: str, url: str) -> SinkChange:
+async def add_sink(
+    conn: psycopg.AsyncConnection[Any],
+    name: str,
+    url: str,
+    kinds: Sequence[str] | None = None,
+) -> SinkChange:
     """Add an HTTP sink (or point one at a new URL and enable it). It receives the events
-    appended from now on; the built-in progress sink cannot be changed."""
+    appended from now on, only those of ``kinds`` when given (no delivery row is written
+    for another kind); the built-in progress sink cannot be changed."""
     validate_sink_name(name)
     validate_sink_url(url)
+    wanted = validate_sink_kinds(kinds)
     async with conn.transaction(), conn.cursor(row_factory=class_row(SinkChange)) as cur:
-        await cur.execute(q("sink_add"), {"name": name, "url": url})
+        await cur.execute(q("sink_add"), {"name": name, "url": url, "kinds": wanted})
         changed = await cur.fetchone()
     if changed is None:
         raise _builtin(name)

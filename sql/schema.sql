@@ -898,6 +898,7 @@ DECLARE
     v_folded boolean;  -- an event besides run_created: the progress fold has work
     v_progress boolean;
     v_http boolean;
+    v_delivered bigint;
 BEGIN
     SELECT array_agg(DISTINCT r.id)
       INTO v_ids
@@ -927,10 +928,14 @@ BEGIN
          CROSS JOIN wq_sinks s
          WHERE s.enabled
            AND s.kind <> 'progress'
+           AND (s.kinds IS NULL OR a.kind = ANY (s.kinds))
          ORDER BY a.run_id, a.seq, s.name
         ON CONFLICT DO NOTHING;  -- an event already delivered to that sink
-        -- The projectors: deliveries are due (their channel, migration 0033).
-        PERFORM pg_notify('wq_outbox', '');
+        GET DIAGNOSTICS v_delivered = ROW_COUNT;
+        IF v_delivered > 0 THEN
+            -- The projectors: deliveries are due (their channel, migration 0033).
+            PERFORM pg_notify('wq_outbox', '');
+        END IF;
     END IF;
     IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
         -- The progress fold (migration 0030): every column only moves forward, the
@@ -2949,6 +2954,7 @@ CREATE TABLE public.wq_sinks (
     enabled boolean DEFAULT true NOT NULL,
     created_at timestamp with time zone DEFAULT now() NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    kinds text[],
     CONSTRAINT wq_sinks_name_check CHECK ((name ~ '^[a-z0-9][a-z0-9_.-]{0,62}$'::text)),
     CONSTRAINT wq_sinks_url_iff_http CHECK (((kind = 'http'::public.wq_sink_kind) = (url IS NOT NULL)))
 );

@@ -18,6 +18,9 @@
 -- before; the contract step (0039) makes it do what their append does without storing
 -- them. The switch is the database's: this release's code runs on both sides of it.
 --
+-- An HTTP sink may name the kinds of event it wants (wq_sinks.kinds): no delivery row is
+-- written for another kind.
+--
 -- A run's deliveries go with it: retention deletes runs, and their events with them
 -- (wq_events_gone drops the deliveries naming those events); wq_runs_gone drops those
 -- that name an event by (run_id, seq) alone.
@@ -27,6 +30,10 @@
 ALTER TABLE wq_outbox
     ADD COLUMN run_id uuid,
     ADD COLUMN seq bigint;
+
+-- The kinds of event an HTTP sink wants (NULL: every kind, as before): an event of another
+-- kind gets no delivery row for it at all.
+ALTER TABLE wq_sinks ADD COLUMN kinds text[];
 
 CREATE UNIQUE INDEX wq_outbox_run_seq_sink_key ON wq_outbox (run_id, seq, sink);
 
@@ -42,6 +49,7 @@ DECLARE
     v_folded boolean;  -- an event besides run_created: the progress fold has work
     v_progress boolean;
     v_http boolean;
+    v_delivered bigint;
 BEGIN
     SELECT array_agg(DISTINCT r.id)
       INTO v_ids
@@ -71,10 +79,14 @@ BEGIN
          CROSS JOIN wq_sinks s
          WHERE s.enabled
            AND s.kind <> 'progress'
+           AND (s.kinds IS NULL OR a.kind = ANY (s.kinds))
          ORDER BY a.run_id, a.seq, s.name
         ON CONFLICT DO NOTHING;  -- an event already delivered to that sink
-        -- The projectors: deliveries are due (their channel, migration 0033).
-        PERFORM pg_notify('wq_outbox', '');
+        GET DIAGNOSTICS v_delivered = ROW_COUNT;
+        IF v_delivered > 0 THEN
+            -- The projectors: deliveries are due (their channel, migration 0033).
+            PERFORM pg_notify('wq_outbox', '');
+        END IF;
     END IF;
     IF v_progress AND v_folded THEN  -- an admission's statement folds nothing
         -- The progress fold (migration 0030): every column only moves forward, the

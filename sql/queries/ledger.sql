@@ -136,14 +136,15 @@ SELECT p.run_id, p.state::text AS state, p.attempt, p.rows_admitted, p.rows_done
  WHERE p.run_id = %(run_id)s;
 
 -- name: sink_add :one
--- Add an HTTP sink, or point an existing HTTP sink at a new URL and enable it. The
--- built-in progress sink is never changed (no row comes back for it).
-INSERT INTO wq_sinks AS s (name, kind, url, enabled)
-VALUES (%(name)s, 'http', %(url)s, true)
+-- Add an HTTP sink, or point an existing HTTP sink at a new URL (and the kinds it wants:
+-- NULL, every kind) and enable it. The built-in progress sink is never changed (no row
+-- comes back for it).
+INSERT INTO wq_sinks AS s (name, kind, url, enabled, kinds)
+VALUES (%(name)s, 'http', %(url)s, true, %(kinds)s::text[])
 ON CONFLICT (name) DO UPDATE
-   SET url = excluded.url, enabled = true, updated_at = now()
+   SET url = excluded.url, kinds = excluded.kinds, enabled = true, updated_at = now()
  WHERE s.kind = 'http'
-RETURNING s.name, s.kind::text AS kind, s.url, s.enabled, (s.xmax = 0) AS created;
+RETURNING s.name, s.kind::text AS kind, s.url, s.enabled, s.kinds, (s.xmax = 0) AS created;
 
 -- name: sink_disable :one
 -- Stop delivering to an HTTP sink: new events get no outbox row for it and its pending
@@ -151,13 +152,13 @@ RETURNING s.name, s.kind::text AS kind, s.url, s.enabled, (s.xmax = 0) AS create
 UPDATE wq_sinks
    SET enabled = false, updated_at = now()
  WHERE name = %(name)s AND kind = 'http'
-RETURNING name, kind::text AS kind, url, enabled, false AS created;
+RETURNING name, kind::text AS kind, url, enabled, kinds, false AS created;
 
 -- name: sink_list :many
 -- Every sink with its pending deliveries (of which failing: tried and not delivered yet),
 -- the oldest pending one's age and the latest error. Reads only pending rows (the partial
 -- index): delivered rows stay until retention and are not counted.
-SELECT s.name, s.kind::text AS kind, s.url, s.enabled,
+SELECT s.name, s.kind::text AS kind, s.url, s.enabled, s.kinds,
        count(o.id) AS pending,
        count(o.id) FILTER (WHERE o.last_error IS NOT NULL) AS failing,
        coalesce(extract(epoch FROM now() - min(o.created_at)), 0)::float8 AS oldest_pending_s,
@@ -165,7 +166,7 @@ SELECT s.name, s.kind::text AS kind, s.url, s.enabled,
             FILTER (WHERE o.last_error IS NOT NULL))[1] AS last_error
   FROM wq_sinks s
   LEFT JOIN wq_outbox o ON o.sink = s.name AND o.status = 'pending'
- GROUP BY s.name, s.kind, s.url, s.enabled
+ GROUP BY s.name, s.kind, s.url, s.enabled, s.kinds
  ORDER BY s.name;
 
 -- name: sink_names :many

@@ -303,6 +303,32 @@ async def test_each_event_gets_a_delivery_per_enabled_sink_in_its_transaction(co
     assert seen is not None and (seen.state, seen.last_event_seq) == ("queued", note.seq)
 
 
+async def test_a_sink_given_kinds_gets_deliveries_of_those_kinds_only(conn: Conn) -> None:
+    """No outbox row for a kind the sink did not ask for: neither for a stored event nor
+    for one a state row stands for (migration 0038)."""
+    url = "http://127.0.0.1:9/hook"
+    asked = await ledger.add_sink(conn, "done", url, ["run_succeeded", "app.note", "app.note"])
+    assert asked.kinds == ["run_succeeded", "app.note"]
+    await ledger.add_sink(conn, "all", url)
+    a = await attempts.start(conn)
+    note = await ledger.append(conn, a.run_id, "app.note", {})
+    await ledger.append(conn, a.run_id, "app.other", {})
+    status = await runs.finish(
+        conn, worker_id="w1", finishes=[outcomes.succeeded(a.run_id, a.fence.attempt, None)]
+    )
+    assert str(status[(a.run_id, a.fence.attempt)]) == "applied"
+    rows = await outbox(conn, a.run_id)
+    assert [seq for seq, sink, _ in rows if sink == "done"] == [note.seq, 5]
+    assert [seq for seq, sink, _ in rows if sink == "all"] == [1, 2, 3, 4, 5]
+    listed = {s.name: s.kinds for s in await ledger.list_sinks(conn)}
+    assert listed["done"] == ["run_succeeded", "app.note"] and listed["all"] is None
+    # Added again without kinds: every kind.
+    assert (await ledger.add_sink(conn, "done", url)).kinds is None
+    with pytest.raises(InvalidField, match="is not a lowercase name") as bad:
+        await ledger.add_sink(conn, "odd", url, ["Run Succeeded"])
+    assert bad.value.field == "--kind"
+
+
 async def test_leases_and_marks_are_fenced_by_the_lease_owner(conn: Conn) -> None:
     await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
     run_id = await attempts.admit(conn)

@@ -114,25 +114,39 @@ def _on_worker_connection(state: State, go: Callable[[Conn], Awaitable[int]]) ->
 @sinks_group.command("add")
 @click.argument("name")
 @click.option("--url", required=True, help="Where each event is POSTed as JSON.")
+@click.option(
+    "--kind",
+    "kinds",
+    multiple=True,
+    metavar="KIND",
+    help="Deliver only events of this kind (repeatable); without it, every kind.",
+)
 @json_option
 @pass_state
-def sinks_add(state: State, name: str, url: str, as_json: bool) -> None:
+def sinks_add(state: State, name: str, url: str, kinds: tuple[str, ...], as_json: bool) -> None:
     """Add an HTTP sink NAME (or point it at a new URL and enable it again).
 
-    It gets every event appended from now on, with the header Idempotency-Key:
-    <run_id>:<seq> (the same on a retried delivery: dedupe on it)."""
+    It gets every event appended from now on (only those of the --kind given), with the
+    header Idempotency-Key: <run_id>:<seq> (the same on a retried delivery: dedupe on it)."""
     ledger.validate_sink_name(name)
     ledger.validate_sink_url(url)
+    wanted = ledger.validate_sink_kinds(kinds)
 
     async def go(conn: Conn) -> int:
-        changed = await ledger.add_sink(conn, name, url)
+        changed = await ledger.add_sink(conn, name, url, wanted)
         if as_json:
             emit_json(
-                {"sink": changed.name, "created": changed.created, "url": ledger.redact_url(url)}
+                {
+                    "sink": changed.name,
+                    "created": changed.created,
+                    "url": ledger.redact_url(url),
+                    "kinds": changed.kinds,
+                }
             )
             return 0
         verb = "added" if changed.created else "updated and enabled"
-        click.echo(f"sink {changed.name} {verb}: {ledger.redact_url(url)}")
+        only = f" (kinds: {', '.join(changed.kinds)})" if changed.kinds else ""
+        click.echo(f"sink {changed.name} {verb}: {ledger.redact_url(url)}{printable(only)}")
         return 0
 
     _on_worker_connection(state, go)
@@ -155,6 +169,7 @@ def sinks_list(state: State, as_json: bool) -> None:
                 f"{printable(s.name):<24} {s.kind:<8} "
                 f"{'enabled' if s.enabled else 'disabled':<8} "
                 f"pending={s.pending} failing={s.failing} "
+                f"{'kinds=' + ','.join(s.kinds) + ' ' if s.kinds else ''}"
                 f"oldest_pending={s.oldest_pending_s:.0f}s {printable(shown['url'] or '')}".rstrip()
             )
             if s.last_error:  # what an endpoint answered: not ours to print raw
