@@ -146,9 +146,15 @@ def test_data_commands_print_json_with_iso_timestamps(db_url: str, tmp_path: Pat
         [emitted] = run_json(env, "emit", "paid")
         assert emitted["woken"] == 0
         [sink] = run_json(env, "sinks", "add", "crm", "--url", "http://127.0.0.1:9/hook")
-        assert sink["created"] is True
+        assert sink["created"] is True and sink["kinds"] is None
+        [billing] = run_json(
+            env, "sinks", "add", "billing", "--url", "http://127.0.0.1:9/b",
+            "--kind", "run_succeeded", "--kind", "run_failed",
+        )  # fmt: skip
+        assert billing["kinds"] == ["run_succeeded", "run_failed"]
         [sinks] = run_json(env, "sinks", "list")
-        assert {s["name"] for s in sinks} >= {"crm", "progress"}
+        assert {s["name"] for s in sinks} >= {"crm", "billing", "progress"}
+        assert {s["name"]: s["kinds"] for s in sinks}["billing"] == ["run_succeeded", "run_failed"]
         [disabled] = run_json(env, "sinks", "disable", "crm")
         assert disabled == {"sink": "crm", "enabled": False}
 
