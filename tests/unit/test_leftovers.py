@@ -102,7 +102,12 @@ def test_what_a_killed_session_left_is_swept(tmp_path: Path) -> None:
     )
     proc = _session(tmp_path, body)
     marker = tmp_path / "sleeper.pid"
-    wait_for(marker.exists, timeout=60, what="the session started its process")
+    # The file exists from its open on; the pid is in it once written.
+    wait_for(
+        lambda: marker.exists() and marker.read_text().strip() != "",
+        timeout=60,
+        what="the session started its process",
+    )
     pid = int(marker.read_text())
     proc.send_signal(signal.SIGKILL)  # no fixture, no hook of that session runs
     proc.communicate(timeout=30)
