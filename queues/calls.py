@@ -16,6 +16,7 @@ checks before it runs.
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,14 +38,15 @@ T = TypeVar("T")
 _NO_OPTIONS = RunOptions()  # the lane's policy for every option
 
 
-class Call(Generic[T]):
+class Call(ABC, Generic[T]):
     """One runtime action with its typed arguments; :meth:`run` answers with a ``T``."""
 
     __slots__ = ()
     action: ClassVar[str]
 
+    @abstractmethod
     async def run(self, conn: AsyncConn, claims: Claims) -> T:
-        raise NotImplementedError
+        """Run the action on ``conn`` for the attempt ``claims`` names."""
 
 
 # ---- receipts --------------------------------------------------------------------------
@@ -321,8 +323,9 @@ class LedgerDelivery(Call[Delivered]):
     key: str
     owner: str
 
+    @abstractmethod
     def events(self) -> list[tuple[str, JSON]]:
-        raise NotImplementedError
+        """The (kind, data) events this delivery stores, in order."""
 
     async def run(self, conn: AsyncConn, claims: Claims) -> Delivered:
         events = self.events()
