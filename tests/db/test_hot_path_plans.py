@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import admission, lanes, outcomes, receipts, recovery, runs, sheets
+from queues import admission, lanes, ledger, outcomes, receipts, recovery, runs, sheets
 from tests import attempts
 from tests.db.test_claim_plans import RELEASE, explained, finished_history, prepared_at_once
 
@@ -199,6 +199,30 @@ async def test_a_heartbeat_and_a_finish_are_never_compiled(conn: Conn) -> None:
     checked = held_to_the_rule(plans)
     assert statements(checked, "WITH input AS"), plans
     assert statements(checked, "WITH locked AS"), plans
+
+
+# ---- a projector's lease ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+async def test_a_delivery_lease_reads_only_its_events(conn: Conn, generic: bool) -> None:
+    """The lease reads each delivery's event from the ledger view by (run_id, seq): from
+    the run row or an attempt row, which stand for most events, or from wq_events. In a
+    history of finished runs, it reads those keys only, never a whole table."""
+    await finished_history(conn, HISTORY)
+    await ledger.add_sink(conn, "crm", "http://127.0.0.1:9/hook")
+    claimed = await runs.claim(
+        conn, lanes=[lanes.lane_name(RELEASE)], worker_id="w1", limit=3, plays=["p"]
+    )
+    assert [c for c in claimed if c.claimed]
+    await conn.execute("ANALYZE wq_outbox, wq_attempts, wq_events, wq_runs")
+    settings = ("plan_cache_mode = force_generic_plan",) if generic else ()
+    plans = await hot_plans(conn, *settings)
+    with prepared_at_once(conn):
+        leased = await ledger.lease_deliveries(conn, "p1", 10, 30.0)
+    await stop_explaining(conn)
+    assert {d.event.kind for d in leased} == {"attempt_started"}  # a state row's event
+    assert statements(held_to_the_rule(plans), "WITH picked AS"), plans
 
 
 # ---- a step and a page of rows --------------------------------------------------------
