@@ -267,13 +267,12 @@ def run_on_throwaway_server(
     *,
     config: Mapping[str, Any] | None = None,
     server_settings: tuple[str, ...] = SERVER_SETTINGS,
-    settings: Mapping[str, str] | None = None,
     timeout: float | None = None,
     setup_logging: Callable[[], None] = quiet_logging,
     cleanup: Callable[[], None] | None = None,
 ) -> int:
-    """A benchmark's main: a throwaway Postgres in a fresh directory, at server defaults or
-    with the named ``settings`` (from ``args.pg_bin`` when the benchmark takes
+    """A benchmark's main: a throwaway Postgres in a fresh directory, at server defaults
+    (from ``args.pg_bin`` when the benchmark takes
     ``--pg-bin``; its version is recorded under ``postgres``, the ``server_settings``
     shown by the server under ``server``), the async ``body(server, home, report)`` run
     against it (within ``timeout`` seconds), then ``cleanup()``, the server stopped and its
@@ -289,15 +288,10 @@ def run_on_throwaway_server(
     with throwaway_home() as home:
         try:
             use_pg_bin(args)
-            server = start_server(home, settings)
+            server = start_server(home)
             report["postgres"] = postgres_of(server)
-            if settings:
-                report["postgres"]["settings"] = dict(settings)
-            shown = ", ".join(f"{k} = {v}" for k, v in (settings or {}).items())
             print(
-                f"throwaway Postgres {report['postgres']['version']} "
-                + (f"with {shown}" if shown else "at server defaults")
-                + f" ({home})",
+                f"throwaway Postgres {report['postgres']['version']} at server defaults ({home})",
                 file=sys.stderr,
             )
 
