@@ -116,7 +116,7 @@ class Executor:
         ctx = RunContext(info, dict(c.params or {}), absorbing)
         self.transports.add(transport)
         self._stats["claimed"] += 1
-        self._heartbeat.track(c.run_id, info.attempt)
+        # Its lease is renewed from its claim on (the producer tracks what it claims).
         task = asyncio.create_task(self._execute(c, ctx, transport), name=f"run:{c.run_id}")
         # A cleanup-only attempt is the cancel: the pending request its heartbeats report
         # must not stop the hooks it runs.
