@@ -71,7 +71,7 @@ class Transport(WireSender, Protocol):
 async def run_over_wire(sender: WireSender, call: calls.Call[T]) -> T:
     """A typed call sent as its wire request: encoded with its action's codec, and the
     wire's answer decoded back (the client's half of the codec the gateway serves)."""
-    codec = operations.ACTIONS[call.action].codec
+    codec = operations.codec(call.action)
     key = call.key if isinstance(call, calls.LedgerDelivery) else None
     answer: T = codec.answer(await sender.call(call.action, codec.wire(call), idempotency_key=key))
     return answer
