@@ -343,6 +343,18 @@ def gateway_socket(url: str) -> str | None:
     return "/" + path.lstrip("/") if path.startswith("//") else path
 
 
+def gateway_origin(url: str) -> str:
+    """A gateway's origin, as an attempt's tokens carry it (``runtimeOrigin``,
+    ``runLedgerIngressPrefixOrigin``): ``scheme://host[:port]`` of an HTTP URL, lower case;
+    the socket's ``unix:/path`` for a Unix socket (the socket is the receiver)."""
+    socket = gateway_socket(url)
+    if socket is not None:
+        return f"unix:{socket}"
+    parts = httpx.URL(url)
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{parts.host}{port}".lower()
+
+
 class GatewayTransport:
     """Through the gateway: ``POST {url}/runtime`` with ``Authorization: Bearer TOKEN``
     (``url`` may name a Unix socket, ``unix:/path``: what a sandbox reaches it by)."""

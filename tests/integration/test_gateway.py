@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import jwt
 import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
@@ -24,7 +25,7 @@ from queues.errors import OperationRefused, WriteIntentUnavailable
 from tests import attempts, ledgers
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker import gateway, sandbox
-from worker.contract import GatewayTransport
+from worker.contract import GatewayTransport, gateway_origin
 from worker.plays import load_registry
 
 SECRET = b"s" * 48
@@ -264,6 +265,42 @@ async def test_a_runs_lifecycle_actions_are_known_and_granted_to_no_play(gw: Gat
         refused = await gw.post(batch, tokens.ledger)
         assert error_of(refused)["code"] == "RUNTIME_LIFECYCLE_ACTION_RESERVED"
     assert await ledgers.events(gw.db_url, a.run_id) == before
+
+
+async def test_an_attempts_tokens_carry_the_references_origin_claims(gw: Gateway) -> None:
+    """Minted for a gateway, both tokens carry ``runtimeOrigin`` and the run-ledger token
+    ``runLedgerIngressPrefixOrigin`` too, each the gateway's origin; the gateway accepts
+    them (it reads neither: the fence and the run scope decide)."""
+    a = await live(gw.db_url)
+    origin = gateway_origin(gw.url)
+    assert origin.startswith("http://127.0.0.1:") and not origin.endswith("/")
+    tokens = tokens_of(a, origin=origin)
+    executor = jwt.decode(tokens.executor, SECRET, algorithms=["HS256"])
+    ledger = jwt.decode(tokens.ledger, SECRET, algorithms=["HS256"])
+    assert executor["runtimeOrigin"] == origin and "runLedgerIngressPrefixOrigin" not in executor
+    assert (ledger["runtimeOrigin"], ledger["runLedgerIngressPrefixOrigin"]) == (origin, origin)
+    # Without a gateway (an in-process attempt's, an operator's), they are absent.
+    plain = jwt.decode(tokens_of(a).ledger, SECRET, algorithms=["HS256"])
+    assert not {"runtimeOrigin", "runLedgerIngressPrefixOrigin"} & plain.keys()
+    ok = await gw.post(start_body(["a"]), tokens.executor)
+    assert ok.status_code == 200, ok.text
+    delivered = await gw.post(
+        {
+            "action": "append_run_events",
+            "input": {"events": [{"kind": "play.x"}]},
+            "idempotencyKey": "o-1",
+            "deliveryLeaseOwner": a.fence.owner,
+        },
+        tokens.ledger,
+    )
+    assert delivered.status_code == 200, delivered.text
+
+
+def test_a_gateways_origin_is_its_scheme_host_and_port_or_its_socket() -> None:
+    assert gateway_origin("HTTP://Gate.Example:8085/runtime") == "http://gate.example:8085"
+    assert gateway_origin("https://gate.example/") == "https://gate.example"
+    for url in ("unix:/run/wq/gateway.sock", "unix:///run/wq/gateway.sock"):
+        assert gateway_origin(url) == "unix:/run/wq/gateway.sock"
 
 
 async def test_a_token_with_the_ledger_capability_and_anything_else_is_refused(
