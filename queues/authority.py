@@ -11,7 +11,17 @@ tokens at once:
 
 Both bind org, play, run, release, the attempt and the worker holding its lease, so a
 receiver can check the request's run scope and the fence (a token of an attempt that a
-rescue or a newer attempt superseded is refused by the fence, however unexpired).
+rescue or a newer attempt superseded is refused by the fence, however unexpired). Minted
+per attempt, not once at admission as the reference runtime's are: no token outlives its
+attempt's lease, and the worker holding the lease is the delivery lease owner a ledger
+delivery must name (:func:`queues.operations.authorize`).
+
+Both carry the reference runtime's origin claims when the attempt's gateway is known (a
+sandboxed attempt's): ``runtimeOrigin``, the origin of the runtime the token is for, and on
+the run-ledger token ``runLedgerIngressPrefixOrigin``, the receiver its ledger deliveries
+go to. Here both receivers are the one gateway, so both name its origin. No receiver of
+this project reads them (the fence and the run scope decide); they are carried so a token
+means the same to a receiver of the reference's.
 
 A sandboxed play's executor token is narrower still (least authority): it names the plays
 the attempt may spawn (``spawn``) and the rate-limit keys it may take permits of
@@ -40,6 +50,9 @@ from queues.fence import Fence
 ISSUER = "wq"
 ALGORITHM = "HS256"
 LEDGER_PROJECT = "run.ledger.project"
+# The reference runtime's origin claims (see the module's docstring).
+RUNTIME_ORIGIN = "runtimeOrigin"
+LEDGER_INGRESS_ORIGIN = "runLedgerIngressPrefixOrigin"
 # What an admitted run may do through the runtime (its executor token's capabilities).
 EXECUTOR_CAPABILITIES: tuple[str, ...] = (
     "sheet.write",
@@ -161,10 +174,15 @@ def mint(
     now: datetime | None = None,
     may_spawn: Iterable[str] | None = None,
     may_limit: Iterable[str] | None = None,
+    runtime_origin: str | None = None,
+    ledger_ingress_origin: str | None = None,
 ) -> str:
     """One signed, expiring token for an attempt, with ``capabilities`` (a subset of what
     the run was granted, plus the ledger projection capability every run has); with
-    ``may_spawn`` / ``may_limit``, restricted to those plays and rate-limit keys."""
+    ``may_spawn`` / ``may_limit``, restricted to those plays and rate-limit keys; with
+    ``runtime_origin`` / ``ledger_ingress_origin``, the reference's ``runtimeOrigin`` and
+    ``runLedgerIngressPrefixOrigin`` claims (absent otherwise, as the reference leaves
+    them)."""
     caps = sorted(set(capabilities))
     allowed = {*descriptor.capabilities, LEDGER_PROJECT}
     unknown = [c for c in caps if c not in allowed]
@@ -198,6 +216,10 @@ def mint(
         claims["spawn"] = sorted(set(may_spawn))
     if may_limit is not None:
         claims["limits"] = sorted(set(may_limit))
+    if runtime_origin is not None:
+        claims[RUNTIME_ORIGIN] = runtime_origin
+    if ledger_ingress_origin is not None:
+        claims[LEDGER_INGRESS_ORIGIN] = ledger_ingress_origin
     import jwt  # here, not at the top: admission and the CLI's other commands never sign
 
     return jwt.encode(claims, check_secret(secret), algorithm=ALGORITHM)
@@ -213,10 +235,13 @@ def mint_attempt(
     now: datetime | None = None,
     may_spawn: Iterable[str] | None = None,
     may_limit: Iterable[str] | None = None,
+    origin: str | None = None,
 ) -> AttemptTokens:
     """The two tokens of an attempt: the executor's (the run's capabilities, restricted to
     ``may_spawn`` and ``may_limit`` when given) and the narrow run-ledger one
-    (``run.ledger.project`` only)."""
+    (``run.ledger.project`` only). ``origin`` is the gateway's, the attempt's runtime and
+    its ledger's receiver alike: both tokens carry it as ``runtimeOrigin``, the run-ledger
+    token as ``runLedgerIngressPrefixOrigin`` too."""
     return AttemptTokens(
         executor=mint(
             descriptor,
@@ -228,6 +253,7 @@ def mint_attempt(
             now=now,
             may_spawn=may_spawn,
             may_limit=may_limit,
+            runtime_origin=origin,
         ),
         ledger=mint(
             descriptor,
@@ -237,6 +263,8 @@ def mint_attempt(
             secret=secret,
             ttl_s=ttl_s,
             now=now,
+            runtime_origin=origin,
+            ledger_ingress_origin=origin,
         ),
     )
 

@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 
 from queues import children, fields, limits, receipts, runs, sheets
 from queues.authority import Claims
-from queues.errors import InvalidField, StaleAttempt
+from queues.errors import DeliveryLeaseMismatch, InvalidField, StaleAttempt
 from queues.fence import refused
 from queues.options import RunOptions
 from queues.queries import q
@@ -318,7 +318,10 @@ class Delivered:
 @dataclass(frozen=True, slots=True)
 class LedgerDelivery(Call[Delivered]):
     """A keyed outbox delivery to the run's ledger, fenced by the live lease: the same
-    ``key`` delivered twice stores its events once. ``owner`` is the delivery lease's."""
+    ``key`` delivered twice stores its events once. ``owner`` is the delivery lease's, which
+    must be the attempt's live lease owner (the worker holding the run's lease): the
+    statement compares the two under the run's lock, and refuses any other
+    (:func:`delivery_lease_mismatch`)."""
 
     key: str
     owner: str
@@ -341,7 +344,7 @@ class LedgerDelivery(Call[Delivered]):
         )
         row = await cur.fetchone()
         assert row is not None
-        fenced, appended, run_attempt, run_state = row
+        fenced, delivering, appended, run_attempt, run_state = row
         if not fenced:
             raise refused(
                 claims.fence,
@@ -350,6 +353,8 @@ class LedgerDelivery(Call[Delivered]):
                 run_attempt=run_attempt,
                 run_state=run_state,
             )
+        if not delivering:
+            raise delivery_lease_mismatch(self.owner, claims)
         return Delivered(appended=int(appended), existing=len(events) - int(appended))
 
 
@@ -384,20 +389,17 @@ class ProjectRunEvents(AppendRunEvents):
     action: ClassVar[str] = "project_run_events"
 
 
-@dataclass(frozen=True, slots=True)
-class ProjectRunCreated(LedgerDelivery):
-    action: ClassVar[str] = "project_run_created"
-
-    def events(self) -> list[tuple[str, JSON]]:
-        return [("run_created_projected", {})]
-
-
-@dataclass(frozen=True, slots=True)
-class StartRun(LedgerDelivery):
-    action: ClassVar[str] = "start_run"
-
-    def events(self) -> list[tuple[str, JSON]]:
-        return [("run_started", {})]
+def delivery_lease_mismatch(named: str | None, claims: Claims) -> DeliveryLeaseMismatch:
+    """The refusal of a keyed delivery naming a delivery lease other than its attempt's
+    (one wording for the receiver's check and the statement's)."""
+    return DeliveryLeaseMismatch(
+        f"run {claims.run_id} attempt {claims.attempt}: deliveryLeaseOwner {named!r:.80} is "
+        f"not the worker holding the run's lease ({claims.owner!r}); nothing was written",
+        field="deliveryLeaseOwner",
+        rule="a keyed ledger delivery names its own attempt's lease: the worker holding the "
+        "run's lease at that attempt",
+        fix="send deliveryLeaseOwner as the worker id the attempt's token was minted for",
+    )
 
 
 # Every call by its action's wire name (the reference's table renders their docstrings).
@@ -425,8 +427,6 @@ BY_ACTION: Mapping[str, type[Call[Any]]] = {
         RunGet,
         AppendRunEvents,
         ProjectRunEvents,
-        ProjectRunCreated,
-        StartRun,
     )
 }
 

@@ -47,7 +47,9 @@ database error onto this tree at one boundary.
     ├── AuthorityError                  a runtime request's credential (403)
     │   ├── TokenInvalid                missing, forged or expired token (401)
     │   ├── CapabilityScope             the token's capabilities do not allow the action
-    │   └── RunScope                    the request names another run
+    │   │   └── LifecycleReserved       a run's lifecycle events are the system's, not a play's
+    │   ├── RunScope                    the request names another run
+    │   └── DeliveryLeaseMismatch       a ledger delivery names another lease than its attempt's
     ├── TokenSecretMissing              no secret to sign or verify attempt tokens with
     ├── SandboxUnavailable              a sandboxed play, and no sandbox to run it in
     ├── WriteVersionMismatch            caller's version disagrees with the stored intent
@@ -441,6 +443,23 @@ class RunScope(AuthorityError):
     """A request names a run other than the one its credential was minted for (403)."""
 
     code = "RUNTIME_RUN_SCOPE"
+
+
+class LifecycleReserved(CapabilityScope):
+    """A play's credential asked for a run's lifecycle event (``start_run``,
+    ``project_run_created``): known actions, granted to no play. The system writes those
+    events from the run's state rows (the ledger view), never from play code (403, with the
+    capability scope's message on the wire)."""
+
+    code = "RUNTIME_LIFECYCLE_ACTION_RESERVED"
+
+
+class DeliveryLeaseMismatch(AuthorityError):
+    """A keyed ledger delivery names a ``deliveryLeaseOwner`` other than the live lease
+    owner of its credential's attempt (403): refused, nothing written, by the receiver and
+    again by the statement that appends (``ledger_append_delivered``)."""
+
+    code = "RUNTIME_DELIVERY_LEASE_MISMATCH"
 
 
 class TokenSecretMissing(WorkerError):

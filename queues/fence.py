@@ -21,7 +21,8 @@ step receipts             ``receipt_claim``, ``receipt_finish``,
 sheet rows                ``sheet_version_mint``, ``sheet_intent_claim``,
                           ``sheet_admit_rows``, ``sheet_complete_rows``
 events                    ``event_emit`` (from a play)
-ledger deliveries         ``ledger_append_delivered`` (the run-ledger token's actions)
+ledger deliveries         ``ledger_append_delivered`` (the run-ledger token's actions;
+                          the delivery lease named must be the live lease)
 child runs                ``child_spawn`` (with its step's ``receipt_claim`` and
                           ``receipt_finish``, in one transaction)
 rate-limit permits        ``limit_acquire``, ``limit_release``

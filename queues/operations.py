@@ -12,18 +12,25 @@ attempt in its SQL.
 
 A receiver refuses, in this order, and never guesses:
 
-1. a request whose credential's capabilities do not allow it (the policy): 403,
+1. a run's lifecycle event (:data:`LIFECYCLE_ACTIONS`: ``start_run``,
+   ``project_run_created``), whatever the credential: 403 with the capability scope's
+   message and the code ``RUNTIME_LIFECYCLE_ACTION_RESERVED``. Known on the wire, granted
+   to no play: the system writes those events from the run's state rows (the ledger view);
+2. a request whose credential's capabilities do not allow it (the policy): 403,
    ``Unsupported runtime action capability scope.``. A credential holding
    ``run.ledger.project`` must hold nothing else, may call only the keyed outbox delivery
    actions (:data:`LEDGER_ACTIONS`), and must send a non-blank ``idempotencyKey`` and
    ``deliveryLeaseOwner``;
-2. an action this receiver does not serve: 400, ``Unsupported action: NAME``, whether an
+3. a keyed delivery whose ``deliveryLeaseOwner`` is not its credential's attempt's lease
+   owner: 403 ``RUNTIME_DELIVERY_LEASE_MISMATCH`` (the statement that appends compares it
+   with the run's live lease owner again, under the run's lock);
+4. an action this receiver does not serve: 400, ``Unsupported action: NAME``, whether an
    older receiver serves a subset or nobody defined the name (the client turns that answer
    for the intent action into ``RUNTIME_SHEET_WRITE_INTENT_UNAVAILABLE``, never a legacy
    admission);
-3. a payload field the action does not define (an unknown field is never ignored), or one
+5. a payload field the action does not define (an unknown field is never ignored), or one
    of the wrong type or out of its range (:data:`FIELD_TYPES`, one table for every action);
-4. a request naming another run than its credential's: 403 (the run scope).
+6. a request naming another run than its credential's: 403 (the run scope).
 
 A batch (``{"actions": [...]}``) is checked action by action before any of it runs; one
 refusal refuses the batch.
@@ -51,6 +58,7 @@ from queues.authority import LEDGER_PROJECT, Claims
 from queues.errors import (
     CapabilityScope,
     InvalidField,
+    LifecycleReserved,
     OperationRefused,
     RunScope,
     did_you_mean,
@@ -99,7 +107,9 @@ MAX_INTEGER = 2**31 - 1
 class Action:
     name: str
     capability: str
-    codec: Codec
+    # None: a run's lifecycle event, known on the wire and granted to no play (the system
+    # writes it from the run's state rows): :data:`LIFECYCLE_ACTIONS`.
+    codec: Codec | None
     required: frozenset[str] = frozenset()
     optional: frozenset[str] = frozenset()
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -115,6 +125,8 @@ class Action:
     @property
     def doc(self) -> str | None:
         """What the action does: its typed call's docstring (:mod:`queues.calls`)."""
+        if self.codec is None:
+            return LIFECYCLE_DOC
         kind = calls.BY_ACTION.get(self.name)
         doc = kind.__doc__ if kind is not None else None
         if kind is None or doc is None or doc.startswith(f"{kind.__name__}("):
@@ -575,12 +587,6 @@ APPEND_RUN_EVENTS = Codec(
 PROJECT_RUN_EVENTS = Codec(
     _decode_events(calls.ProjectRunEvents), _delivered, _wire_events, _delivered_of
 )
-PROJECT_RUN_CREATED = Codec(
-    lambda r, claims: calls.ProjectRunCreated(**_delivery(r)), _delivered, _none, _delivered_of
-)
-START_RUN = Codec(
-    lambda r, claims: calls.StartRun(**_delivery(r)), _delivered, _none, _delivered_of
-)
 
 
 # ---- the table ------------------------------------------------------------------------
@@ -709,20 +715,51 @@ ACTIONS: Mapping[str, Action] = {
         Action(
             "project_run_events", LEDGER_PROJECT, PROJECT_RUN_EVENTS, frozenset({"events"}), _RUN
         ),
-        Action("project_run_created", LEDGER_PROJECT, PROJECT_RUN_CREATED, frozenset(), _RUN),
-        Action("start_run", LEDGER_PROJECT, START_RUN, frozenset(), _RUN),
+        # The reference's actions for the admitting app's projector: a run's lifecycle
+        # events, which the system writes from the run's state rows (the ledger view).
+        Action("project_run_created", LEDGER_PROJECT, None),
+        Action("start_run", LEDGER_PROJECT, None),
     )
 }
+# The keyed outbox delivery actions, the only ones the run-ledger credential may name (the
+# reference's policy); of them, plays may make only those with a codec.
 LEDGER_ACTIONS = frozenset(
     {"project_run_events", "project_run_created", "append_run_events", "start_run"}
 )
-SERVED_ACTIONS = frozenset(ACTIONS)
+LIFECYCLE_ACTIONS = frozenset(a.name for a in ACTIONS.values() if a.codec is None)
+LIFECYCLE_DOC = (
+    "A run's lifecycle event: known on the wire, granted to no play (403 "
+    "`RUNTIME_LIFECYCLE_ACTION_RESERVED`). The system writes it from the run's state rows."
+)
+# What a receiver of this release serves: every action a play may make.
+SERVED_ACTIONS = frozenset(ACTIONS) - LIFECYCLE_ACTIONS
 
 
 def repeatable(action: str) -> bool:
     """Whether ``action`` is safe to send again after a lost answer (:attr:`Action.repeatable`)."""
     found = ACTIONS.get(action)
     return found is not None and found.repeatable
+
+
+def codec(action: str) -> Codec:
+    """The codec of an action a play may make; a lifecycle action is refused
+    (:func:`lifecycle_reserved`)."""
+    found = ACTIONS[action].codec
+    if found is None:
+        raise lifecycle_reserved(action)
+    return found
+
+
+def lifecycle_reserved(action: str) -> LifecycleReserved:
+    """The refusal of a run's lifecycle event (:data:`LIFECYCLE_ACTIONS`) to a play."""
+    return LifecycleReserved(
+        SCOPE_MESSAGE,
+        field="action",
+        rule=f"{action} is a run's lifecycle event: the system writes it from the run's state "
+        "rows (the ledger view), never a play's credential",
+        fix="read the run's lifecycle (run_created, attempt_started, its outcome) from its "
+        "ledger; a play appends its own events with append_run_events",
+    )
 
 
 def capability_for(action: str) -> str | None:
@@ -807,10 +844,13 @@ def parse(body: object) -> list[Request]:
 def authorize(
     requests: Iterable[Request], claims: Claims, *, served: Collection[str] | None = None
 ) -> None:
-    """Check every request of a batch before any runs: the policy (403), the served
-    actions (400), the payload's fields and the run scope (403). One refusal refuses all."""
+    """Check every request of a batch before any runs, in the module's order: a lifecycle
+    action (403), the policy (403), a delivery's lease owner (403), the served actions
+    (400), the payload's fields and the run scope (403). One refusal refuses all."""
     served_now = SERVED_ACTIONS if served is None else frozenset(served) & SERVED_ACTIONS
     for request in requests:
+        if request.action in LIFECYCLE_ACTIONS:
+            raise lifecycle_reserved(request.action)
         body = {
             "action": request.action,
             "idempotencyKey": request.idempotency_key,
@@ -822,6 +862,8 @@ def authorize(
         unknown = request.action not in ACTIONS and LEDGER_PROJECT not in claims.capabilities
         if not unknown and (needed is None or needed not in claims.capabilities):
             raise CapabilityScope(SCOPE_MESSAGE, field="action", rule=request.action)
+        if request.action in LEDGER_ACTIONS:
+            _check_delivery_owner(request.delivery_lease_owner, claims)
         if request.action not in served_now:
             # A known action this receiver does not serve (an older release's, mid-rollout)
             # is retried after the rollout; only a name nobody defined gets a suggestion,
@@ -872,6 +914,15 @@ def _check_declared(request: Request, claims: Claims) -> None:
         )
 
 
+def _check_delivery_owner(owner: str | None, claims: Claims) -> None:
+    """A keyed ledger delivery names the delivery lease of its credential's attempt: the
+    worker holding the run's lease (the claims' owner). Checked before any action of a
+    batch runs; ``ledger_append_delivered`` compares it with the run's live lease owner
+    again, under the run's lock."""
+    if owner != claims.owner:
+        raise calls.delivery_lease_mismatch(owner, claims)
+
+
 async def check_live_lease(conn: AsyncConn, claims: Claims) -> None:
     """The run is still running at the credential's attempt under its lease (the gateway
     checks this before dispatching; every handler's SQL checks it again as it writes)."""
@@ -906,9 +957,9 @@ async def dispatch(
         await check_live_lease(conn, claims)
     results = []
     for request in requests:
-        codec = ACTIONS[request.action].codec
-        answer = await codec.decode(request, claims).run(conn, claims)
-        results.append(codec.encode(answer))
+        found = codec(request.action)
+        answer = await found.decode(request, claims).run(conn, claims)
+        results.append(found.encode(answer))
     is_batch = isinstance(body, Mapping) and "actions" in body
     return results if is_batch else results[0]
 
@@ -923,6 +974,8 @@ async def perform(conn: AsyncConn, call: calls.Call[T], claims: Claims) -> T:
     needed = capability_for_request(body, claims.capabilities)
     if needed is None or needed not in claims.capabilities:
         raise CapabilityScope(SCOPE_MESSAGE, field="action", rule=call.action)
+    if isinstance(call, calls.LedgerDelivery):
+        _check_delivery_owner(call.owner, claims)
     if isinstance(call, calls.RunSpawn):
         _check_declared(Request(call.action, {"play": call.play}, None, None), claims)
     elif isinstance(call, calls.LimitAcquire):

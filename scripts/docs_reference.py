@@ -602,7 +602,10 @@ def gateway_actions() -> str:
     out.append(
         "The run-ledger token may call only "
         + ", ".join(code(a) for a in sorted(operations.LEDGER_ACTIONS))
-        + ". Field types and ranges, one table for every action "
+        + "; of those, "
+        + ", ".join(code(a) for a in sorted(operations.LIFECYCLE_ACTIONS))
+        + " are a run's lifecycle events, refused to every play's credential. "
+        "Field types and ranges, one table for every action "
         "(`queues.operations.FIELD_TYPES`): "
         + ", ".join(code(f) for f in sorted(operations.FIELD_TYPES))
         + f". A body is at most {operations.MAX_BODY_BYTES:,} bytes and "

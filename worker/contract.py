@@ -71,7 +71,7 @@ class Transport(WireSender, Protocol):
 async def run_over_wire(sender: WireSender, call: calls.Call[T]) -> T:
     """A typed call sent as its wire request: encoded with its action's codec, and the
     wire's answer decoded back (the client's half of the codec the gateway serves)."""
-    codec = operations.ACTIONS[call.action].codec
+    codec = operations.codec(call.action)
     key = call.key if isinstance(call, calls.LedgerDelivery) else None
     answer: T = codec.answer(await sender.call(call.action, codec.wire(call), idempotency_key=key))
     return answer
@@ -341,6 +341,18 @@ def gateway_socket(url: str) -> str | None:
         return None
     path = url[len("unix:") :]
     return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def gateway_origin(url: str) -> str:
+    """A gateway's origin, as an attempt's tokens carry it (``runtimeOrigin``,
+    ``runLedgerIngressPrefixOrigin``): ``scheme://host[:port]`` of an HTTP URL, lower case;
+    the socket's ``unix:/path`` for a Unix socket (the socket is the receiver)."""
+    socket = gateway_socket(url)
+    if socket is not None:
+        return f"unix:{socket}"
+    parts = httpx.URL(url)
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{parts.host}{port}".lower()
 
 
 class GatewayTransport:

@@ -26,7 +26,13 @@ from queues.outcomes import FinishStatus
 from worker import attempt, instruments, sandbox
 from worker.completer import Completer
 from worker.context import RunContext, RunInfo
-from worker.contract import Absorbing, LocalTransport, PoolCheck, in_process_claims
+from worker.contract import (
+    Absorbing,
+    LocalTransport,
+    PoolCheck,
+    gateway_origin,
+    in_process_claims,
+)
 from worker.heartbeat import Heartbeat
 from worker.plays import Registry
 from worker.producer import retrieved
@@ -258,6 +264,7 @@ class Executor:
             # Least authority: only the plays and rate-limit keys the play declared.
             may_spawn=play.may_spawn if play is not None else (),
             may_limit=play.limits if play is not None else (),
+            origin=gateway_origin(self._gateway_url),
         )
         return attempt.SandboxSpec(
             self._registry.spec,

@@ -169,24 +169,29 @@ async def finish(conn: Conn, live: Attempt, w: Writer) -> None:
         raise StaleAttempt("refused by run_finish_batch", fix="-")
 
 
-async def ledger_delivery(conn: Conn, live: Attempt, w: Writer) -> None:
-    """A keyed ledger delivery (the run-ledger token's actions go through this statement)."""
+async def ledger_delivery(
+    conn: Conn, live: Attempt, w: Writer, *, delivery_owner: str | None = None
+) -> tuple[bool, bool, int]:
+    """A keyed ledger delivery (the run-ledger token's actions go through this statement),
+    naming the writer's own lease unless ``delivery_owner`` says otherwise: (fenced,
+    delivering, appended)."""
     cur = await conn.execute(
         q("ledger_append_delivered"),
         {
             "kinds": ["play.x"],
             "datas": [Jsonb({})],
             "keys": ["k#0"],
-            "delivery_owner": "projector",
+            "delivery_owner": w.fence.owner if delivery_owner is None else delivery_owner,
             **w.fence.params(count=1),
         },
     )
     row = await cur.fetchone()
     assert row is not None
-    fenced, appended, _attempt, _state = row
+    fenced, delivering, appended, _attempt, _state = row
     if not fenced:
         assert appended == 0
         raise StaleAttempt("refused by ledger_append_delivered", fix="-")
+    return bool(fenced), bool(delivering), int(appended)
 
 
 def _ref(live: Attempt, w: Writer, key: str) -> dict[str, Any]:
@@ -277,6 +282,25 @@ async def test_one_stale_predicate_refuses_the_write(conn: Conn, name: str, pred
         live.fence.attempt,
         live.fence.owner,
     )
+
+
+async def test_a_live_attempts_delivery_naming_another_lease_is_refused_by_its_statement(
+    conn: Conn,
+) -> None:
+    """The fence holds (the live attempt, its own worker), and only the delivery lease the
+    request names differs: the statement compares it with the run's lease owner itself,
+    appends nothing, and logs no stale write (the attempt is not stale)."""
+    live = await attempts.start(conn, worker="w1")
+    writer = Writer(live.fence)
+    assert await ledger_delivery(conn, live, writer, delivery_owner="w-other") == (
+        True,
+        False,
+        0,
+    )
+    cur = await conn.execute("SELECT count(*) FROM wq_events WHERE run_id = %s", (live.run_id,))
+    assert await cur.fetchone() == (0,)
+    assert await attempts.refusals(conn, live.run_id) == []
+    assert await ledger_delivery(conn, live, writer) == (True, True, 1)
 
 
 async def test_an_impostors_final_write_is_refused_and_leaves_the_live_attempt_open(

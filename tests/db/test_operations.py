@@ -3,22 +3,27 @@ Postgres; the same dispatch behind HTTP is tested in tests/integration/test_gate
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 import pytest
 
-from queues import authority, errors, operations, sheets
+from queues import authority, calls, errors, operations, runs, sheets
 from queues.authority import LEDGER_PROJECT
 from queues.errors import (
     CapabilityScope,
+    DeliveryLeaseMismatch,
     InvalidField,
+    LifecycleReserved,
     OperationRefused,
     RunScope,
     SheetSuperseded,
 )
 from queues.sheets import CompletionResult, StaleReason
 from tests import attempts
+from worker.contract import ConnectionTransport, in_process_claims
 
 Conn = psycopg.AsyncConnection[Any]
 
@@ -280,3 +285,56 @@ def test_the_wire_form_round_trips() -> None:
         fence=sheets.FenceReason.STALE_ATTEMPT,
     )
     assert CompletionResult.from_wire(fenced.to_wire()) == fenced
+
+
+# ---- the run-ledger credential's checks, in process -------------------------------------------
+
+
+async def play_events(conn: Conn, run_id: Any) -> list[str]:
+    return [e.kind for e in await runs.events(conn, run_id) if e.kind.startswith("play.")]
+
+
+async def test_a_delivery_naming_another_lease_owner_is_refused_in_process(conn: Conn) -> None:
+    a = await attempts.start(conn, worker="w1")
+    ledger = in_process_claims(a.claimed, a.fence.owner, ledger=True)
+    other = calls.AppendRunEvents(key="d-1", owner="projector-9", kinds_data=[("play.x", {})])
+    # The receiver's check (the same for the gateway's dispatch) refuses it before any SQL.
+    with pytest.raises(DeliveryLeaseMismatch) as refused:
+        await operations.perform(conn, other, ledger)
+    assert (refused.value.http_status, refused.value.field) == (403, "deliveryLeaseOwner")
+    assert refused.value.code == "RUNTIME_DELIVERY_LEASE_MISMATCH"
+    # The statement itself, reached without that check, compares the owner with the run's
+    # live lease owner again: the database is the last line.
+    with pytest.raises(DeliveryLeaseMismatch, match="'projector-9' is not the worker holding"):
+        await other.run(conn, ledger)
+    assert await play_events(conn, a.run_id) == []
+    assert await attempts.refusals(conn, a.run_id) == []  # not a stale attempt's write
+    # The live lease's owner delivers.
+    done = await operations.perform(conn, replace(other, owner="w1"), ledger)
+    assert (done.appended, done.existing) == (1, 0)
+    assert await play_events(conn, a.run_id) == ["play.x"]
+
+
+async def test_a_runs_lifecycle_actions_are_refused_to_an_in_process_play(conn: Conn) -> None:
+    a = await attempts.start(conn)
+    before = await runs.events(conn, a.run_id)
+    transport = ConnectionTransport(conn, functools.partial(in_process_claims, a.claimed, "w1"))
+    executor = in_process_claims(a.claimed, "w1", ledger=False)
+    for action in sorted(operations.LIFECYCLE_ACTIONS):
+        # As a play's context sends it (the ledger's claims, a key and the lease owner) ...
+        with pytest.raises(LifecycleReserved) as refused:
+            await transport.call(action, {}, idempotency_key=f"{action}-1")
+        assert refused.value.http_status == 403
+        assert refused.value.message == operations.SCOPE_MESSAGE
+        assert action in str(refused.value.rule)
+        # ... with the executor's claims, and as a typed call would need its codec.
+        with pytest.raises(LifecycleReserved):
+            await operations.dispatch(conn, {"action": action, "input": {}}, executor)
+        with pytest.raises(LifecycleReserved):
+            operations.codec(action)
+        # Known, not unserved: an older receiver's subset gives the same answer.
+        with pytest.raises(LifecycleReserved):
+            await operations.dispatch(
+                conn, {"action": action, "input": {}}, executor, served=frozenset()
+            )
+    assert await runs.events(conn, a.run_id) == before

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import jwt
 import psycopg
 import pytest
 from psycopg_pool import AsyncConnectionPool
@@ -24,7 +25,7 @@ from queues.errors import OperationRefused, WriteIntentUnavailable
 from tests import attempts, ledgers
 from tests.workers import eventually, fetch, run_state, running_worker, submit
 from worker import gateway, sandbox
-from worker.contract import GatewayTransport
+from worker.contract import GatewayTransport, gateway_origin
 from worker.plays import load_registry
 
 SECRET = b"s" * 48
@@ -166,7 +167,7 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
         "action": "append_run_events",
         "input": {"events": [{"kind": "play.fetched", "data": {"n": 1}}, {"kind": "play.sent"}]},
         "idempotencyKey": "delivery-1",
-        "deliveryLeaseOwner": "projector-1",
+        "deliveryLeaseOwner": old.fence.owner,  # the worker holding the attempt's lease
     }
     ledger = tokens_of(old).ledger
     first = await gw.post(delivery, ledger)
@@ -179,8 +180,8 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
         for e in await play_events(gw.db_url, run_id)
     ]
     assert stored == [
-        ("play.fetched", 1, "projector-1", "delivery-1#0"),
-        ("play.sent", None, "projector-1", "delivery-1#1"),
+        ("play.fetched", 1, "w1", "delivery-1#0"),
+        ("play.sent", None, "w1", "delivery-1#1"),
     ]
     # A queue event cannot be forged through the ledger token.
     forged = dict(delivery, idempotencyKey="delivery-2")
@@ -193,6 +194,113 @@ async def test_a_keyed_ledger_delivery_stores_its_events_once_and_is_fenced(
     assert late.status_code == 409, late.text
     assert error_of(late)["code"] == "STALE_ATTEMPT"
     assert len(await play_events(gw.db_url, run_id)) == 2
+
+
+async def test_a_ledger_delivery_naming_another_lease_owner_is_refused_and_writes_nothing(
+    gw: Gateway,
+) -> None:
+    """The reference's delivery body, with a ``deliveryLeaseOwner`` that is not the worker
+    holding the attempt's lease: refused with a stable code, alone or inside a batch, and
+    nothing is written; the same body naming the live lease is delivered."""
+    a = await live(gw.db_url)
+    ledger = tokens_of(a).ledger
+
+    def delivery(key: str, owner: str) -> dict[str, Any]:
+        return {
+            "action": "append_run_events",
+            "input": {"events": [{"kind": "play.fetched", "data": {"n": 1}}]},
+            "idempotencyKey": key,
+            "deliveryLeaseOwner": owner,
+        }
+
+    for body in (
+        delivery("d-1", "projector-9"),
+        delivery("d-1", "W1"),  # compared exactly
+        {"actions": [delivery("d-2", "w1"), delivery("d-3", "projector-9")]},
+    ):
+        response = await gw.post(body, ledger)
+        assert response.status_code == 403, (body, response.text)
+        error = error_of(response)
+        assert error["code"] == "RUNTIME_DELIVERY_LEASE_MISMATCH", error
+        assert error["field"] == "deliveryLeaseOwner"
+    assert await play_events(gw.db_url, a.run_id) == []
+    ok = await gw.post(delivery("d-1", "w1"), ledger)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["result"] == {"appended": 1, "existing": 0}
+
+
+async def test_a_runs_lifecycle_actions_are_known_and_granted_to_no_play(gw: Gateway) -> None:
+    """``start_run`` and ``project_run_created``, the reference's bodies, with either of an
+    attempt's tokens: refused with a stable code (not ``Unsupported action``: the receiver
+    knows them), nothing written; the run's lifecycle is in its ledger, from its rows."""
+    a = await live(gw.db_url)
+    tokens = tokens_of(a)
+    before = await ledgers.events(gw.db_url, a.run_id)
+    assert [e.kind for e in before][:2] == ["run_created", "attempt_started"]
+    for action in ("start_run", "project_run_created"):
+        body = {
+            "action": action,
+            "input": {"runId": str(a.run_id)},
+            "idempotencyKey": f"{action}-1",
+            "deliveryLeaseOwner": a.fence.owner,
+        }
+        for token in (tokens.ledger, tokens.executor):
+            response = await gw.post(body, token)
+            assert response.status_code == 403, (action, response.text)
+            error = error_of(response)
+            assert error["code"] == "RUNTIME_LIFECYCLE_ACTION_RESERVED", error
+            assert error["message"] == operations.SCOPE_MESSAGE
+        # In a batch with a delivery the play may make, the whole batch is refused.
+        batch = {
+            "actions": [
+                {
+                    "action": "append_run_events",
+                    "input": {"events": [{"kind": "play.x"}]},
+                    "idempotencyKey": "x-1",
+                    "deliveryLeaseOwner": a.fence.owner,
+                },
+                body,
+            ]
+        }
+        refused = await gw.post(batch, tokens.ledger)
+        assert error_of(refused)["code"] == "RUNTIME_LIFECYCLE_ACTION_RESERVED"
+    assert await ledgers.events(gw.db_url, a.run_id) == before
+
+
+async def test_an_attempts_tokens_carry_the_references_origin_claims(gw: Gateway) -> None:
+    """Minted for a gateway, both tokens carry ``runtimeOrigin`` and the run-ledger token
+    ``runLedgerIngressPrefixOrigin`` too, each the gateway's origin; the gateway accepts
+    them (it reads neither: the fence and the run scope decide)."""
+    a = await live(gw.db_url)
+    origin = gateway_origin(gw.url)
+    assert origin.startswith("http://127.0.0.1:") and not origin.endswith("/")
+    tokens = tokens_of(a, origin=origin)
+    executor = jwt.decode(tokens.executor, SECRET, algorithms=["HS256"])
+    ledger = jwt.decode(tokens.ledger, SECRET, algorithms=["HS256"])
+    assert executor["runtimeOrigin"] == origin and "runLedgerIngressPrefixOrigin" not in executor
+    assert (ledger["runtimeOrigin"], ledger["runLedgerIngressPrefixOrigin"]) == (origin, origin)
+    # Without a gateway (an in-process attempt's, an operator's), they are absent.
+    plain = jwt.decode(tokens_of(a).ledger, SECRET, algorithms=["HS256"])
+    assert not {"runtimeOrigin", "runLedgerIngressPrefixOrigin"} & plain.keys()
+    ok = await gw.post(start_body(["a"]), tokens.executor)
+    assert ok.status_code == 200, ok.text
+    delivered = await gw.post(
+        {
+            "action": "append_run_events",
+            "input": {"events": [{"kind": "play.x"}]},
+            "idempotencyKey": "o-1",
+            "deliveryLeaseOwner": a.fence.owner,
+        },
+        tokens.ledger,
+    )
+    assert delivered.status_code == 200, delivered.text
+
+
+def test_a_gateways_origin_is_its_scheme_host_and_port_or_its_socket() -> None:
+    assert gateway_origin("HTTP://Gate.Example:8085/runtime") == "http://gate.example:8085"
+    assert gateway_origin("https://gate.example/") == "https://gate.example"
+    for url in ("unix:/run/wq/gateway.sock", "unix:///run/wq/gateway.sock"):
+        assert gateway_origin(url) == "unix:/run/wq/gateway.sock"
 
 
 async def test_a_token_with_the_ledger_capability_and_anything_else_is_refused(
