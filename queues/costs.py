@@ -262,10 +262,6 @@ class Budget:
     updated_at: datetime
     updated_by: str | None
 
-    def __post_init__(self) -> None:
-        if self.period_start is not None and self.period_start.year <= 1:
-            object.__setattr__(self, "period_start", None)  # -infinity: period none
-
     @property
     def scope(self) -> Literal["org", "play", "run"]:
         return "run" if self.run_id is not None else "play" if self.play else "org"

@@ -3421,7 +3421,7 @@ ALTER TABLE ONLY public.wq_budgets
 --
 
 ALTER TABLE ONLY public.wq_charges
-    ADD CONSTRAINT wq_charges_once UNIQUE (run_id, attempt, scope, step_key, unit, provider);
+    ADD CONSTRAINT wq_charges_once UNIQUE (run_id, attempt, scope, step_key, outcome, unit, provider);
 
 --
 -- Name: wq_charges wq_charges_pkey; Type: CONSTRAINT; Schema: public; Owner: -

@@ -19,7 +19,7 @@ from typing import Any
 from queues import calls, children, fields, limits, receipts, runs
 from queues.errors import InvalidField
 from queues.options import RunOptions
-from worker.endings import Fatal
+from worker.endings import Fatal, Suspend
 from worker.steps import Run, Steps
 
 EVENT_NAME_MAX = 200
@@ -29,18 +29,6 @@ EVENT_NAME_MAX = 200
 HAND_BACK_AFTER_S = 30.0
 LIMIT_BUSY_POLL_S = 0.05  # a limit at its concurrency cap is asked again after this, ...
 LIMIT_BUSY_MAX_S = 1.0  # ... doubling up to this
-
-
-class Suspend(BaseException):
-    """Raised inside a play to leave the worker durably (sleep or event wait).
-
-    A BaseException so that a play's ``except Exception`` cannot swallow it.
-    """
-
-    def __init__(self, wake_at: datetime | None, event: str | None = None) -> None:
-        super().__init__(wake_at, event)
-        self.wake_at = wake_at
-        self.event = event
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,7 +223,8 @@ CREATE TABLE wq_charges (
     amount              numeric NOT NULL CHECK (amount >= 0 AND amount <= 1000000000000),
     charged_at          timestamptz NOT NULL DEFAULT now(),
     -- A step's attempt settles its receipt once: a second row here would be a double.
-    CONSTRAINT wq_charges_once UNIQUE (run_id, attempt, scope, step_key, unit, provider)
+    CONSTRAINT wq_charges_once UNIQUE (run_id, attempt, scope, step_key, outcome, unit,
+                                       provider)
 );
 CREATE INDEX wq_charges_org_at_idx ON wq_charges (org, charged_at);
 CREATE INDEX wq_charges_run_idx ON wq_charges (run_id);

@@ -129,7 +129,7 @@ SELECT b.id, b.org, nullif(b.play, '') AS play, b.run_id, b.unit, b.period,
        CASE WHEN b.period_start < wq_budget_period_start(b.period, c.at) THEN 0
             ELSE b.spent END AS spent,
        wq_budget_reserved(b.org, b.play, b.run_id, b.unit, NULL, '', '{}') AS reserved,
-       wq_budget_period_start(b.period, c.at) AS period_start,
+       nullif(wq_budget_period_start(b.period, c.at), '-infinity') AS period_start,
        wq_budget_period_end(b.period, wq_budget_period_start(b.period, c.at)) AS period_end,
        b.created_at, b.updated_at, b.updated_by
   FROM wq_budgets b
@@ -219,7 +219,8 @@ WITH run AS (
      CROSS JOIN keys k
      CROSS JOIN estimate e
      CROSS JOIN clock c
-     WHERE k.ord <= d.granted AND e.amount > 0
+     -- Nothing to hold where no budget applies (the attempt then stops reserving).
+     WHERE k.ord <= d.granted AND e.amount > 0 AND d.budgets > 0
      ORDER BY k.step_key, e.unit
     -- A reservation of an earlier attempt for the same step is this attempt's now; one of
     -- this attempt's (a repeat whose answer was lost) is written again as asked.
