@@ -81,9 +81,8 @@ async def test_four_attempts_spending_one_budget_spend_exactly_its_limit(db_url:
         racers = [c1, c2, c3, c4]
         runs = [await attempts.start(c1, worker=f"w{i}") for i in range(4)]
         await costs.set_budget(c1, org=ORG, play=PLAY, limit=200)
-        done = await asyncio.gather(
-            *(spend_until_refused(c, a, f"r{i}") for i, (c, a) in enumerate(zip(racers, runs)))
-        )
+        pairs = enumerate(zip(racers, runs, strict=True))
+        done = await asyncio.gather(*(spend_until_refused(c, a, f"r{i}") for i, (c, a) in pairs))
         assert sum(done) == 200
         (shown,) = await costs.list_budgets(c1, org=ORG)
         assert (shown.spent, shown.reserved) == (200, 0)
