@@ -125,24 +125,23 @@ LEFT JOIN lazy_commit ON true
 -- Record the outcome of a step this attempt holds (completed, failed, skipped), with its
 -- charges; fenced. The step's reservation is released and its charges added to its run's
 -- budgets (sql/queries/costs.sql) by this statement too.
-WITH run AS (
-    SELECT id, attempt, state, lease_owner, org, play
-    FROM wq_runs
-    WHERE id = %(run_id)s
-    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
-),
-checked AS (
+WITH checked AS (
     -- The charges by the rules of queues.costs (WQ010: nothing is written); none to check
     -- for most steps.
     SELECT CASE WHEN cardinality(%(charge_units)s::text[]) = 0 THEN true
                 ELSE wq_cost_check(%(charge_units)s::text[], %(charge_amounts)s::numeric[],
                                    %(charge_providers)s::text[], 'charges') END AS ok
 ),
+run AS (
+    SELECT id, attempt, state, lease_owner, org, play
+    FROM wq_runs
+    WHERE id = %(run_id)s AND (SELECT ok FROM checked)
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
 fence AS (
     -- The attempt fence: running, at this attempt, under this worker's lease, in its scope.
-    SELECT id FROM run, checked
-    WHERE checked.ok
-      AND attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
       AND org = %(org)s AND play = %(play)s
 ),
 refusal AS (
@@ -227,24 +226,23 @@ LEFT JOIN wq_receipts AS cur
 -- Claim-and-complete a page of step keys in one statement, keeping settled ones, with the
 -- charges of the keys it completes; fenced. The page's reservations are released and its
 -- charges added to its run's budgets (sql/queries/costs.sql) by this statement too.
-WITH run AS (
-    SELECT id, attempt, state, lease_owner, org, play
-    FROM wq_runs
-    WHERE id = %(run_id)s
-    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
-),
-checked AS (
+WITH checked AS (
     -- The charges by the rules of queues.costs (WQ010: nothing is written); none to check
     -- for most pages.
     SELECT CASE WHEN cardinality(%(charge_units)s::text[]) = 0 THEN true
                 ELSE wq_cost_check(%(charge_units)s::text[], %(charge_amounts)s::numeric[],
                                    %(charge_providers)s::text[], 'charges') END AS ok
 ),
+run AS (
+    SELECT id, attempt, state, lease_owner, org, play
+    FROM wq_runs
+    WHERE id = %(run_id)s AND (SELECT ok FROM checked)
+    FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
+),
 fence AS (
     -- The attempt fence: running, at this attempt, under this worker's lease, in its scope.
-    SELECT id FROM run, checked
-    WHERE checked.ok
-      AND attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
+    SELECT id FROM run
+    WHERE attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s
       AND org = %(org)s AND play = %(play)s
 ),
 refusal AS (
