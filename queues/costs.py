@@ -241,6 +241,25 @@ class RunBudget:
             check_period(value.get("period", "none"), field=f"{field}.period"),
         )
 
+    @classmethod
+    def parse(cls, text: str, *, field: str = "--budget") -> RunBudget:
+        """``LIMIT[:UNIT[:PERIOD]]`` (``50``, ``10:usd``, ``5:usd:day``), as the CLI takes it."""
+        parts = text.split(":")
+        if len(parts) > 3:
+            raise InvalidField(
+                f"{field} is {fields.shown(text)}",
+                field=field,
+                rule="LIMIT[:UNIT[:PERIOD]]",
+                fix="pass e.g. --budget 50 or --budget 5:usd:day",
+            )
+        unit = parts[1] if len(parts) > 1 else DEFAULT_UNIT
+        period = parts[2] if len(parts) > 2 else "none"
+        return cls(
+            check_amount(parts[0], field=field),
+            check_unit(unit, field=field),
+            check_period(period, field=field),
+        )
+
     def as_json(self) -> dict[str, Any]:
         return {"limit": number(self.limit), "unit": self.unit, "period": self.period}
 

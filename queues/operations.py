@@ -585,7 +585,7 @@ LIMIT_RELEASE = Codec(
     lambda a: bool(a["released"]),
 )
 
-_SPAWN_OPTIONS = frozenset({"max_attempts", "retry", "timeout", "start_by", "meta"})
+_SPAWN_OPTIONS = frozenset({"max_attempts", "retry", "timeout", "start_by", "meta", "budget"})
 
 
 def _decode_spawn(r: Request, claims: Claims) -> calls.RunSpawn:
@@ -609,6 +609,7 @@ def _wire_spawn(c: calls.RunSpawn) -> dict[str, Any]:
         "timeout": options.timeout_s,
         "start_by": options.start_by.isoformat() if options.start_by else None,
         "meta": options.meta,
+        "budget": options.budget.as_json() if options.budget else None,
     }
     return {
         "stepKey": c.step_key,

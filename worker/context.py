@@ -358,12 +358,14 @@ class RunContext:
         timeout: float | None = None,
         start_by: datetime | float | str | None = None,
         meta: Mapping[str, Any] | None = None,
+        budget: float | Mapping[str, Any] | None = None,
     ) -> uuid.UUID:
         """Admit a child run of ``play`` with ``params``, atomically with this step (named
         ``key``, default ``$spawn:<play>``, ordinal-suffixed like any step): a retry of
         this run replays the step and gets the same child; it never spawns a second. The
         child runs on this run's lane and release, in its org, with its own options (the
-        lane's policy otherwise). Returns the child's run id."""
+        lane's policy otherwise; ``budget``: its own budget, as ``Submission.budget``).
+        Returns the child's run id."""
         return await self._waits.spawn(
             play,
             params,
@@ -374,6 +376,7 @@ class RunContext:
             timeout=timeout,
             start_by=start_by,
             meta=meta,
+            budget=budget,
         )
 
     async def wait_for_run(self, run_id: uuid.UUID | str, *, timeout: float | None = None) -> Any:

@@ -203,12 +203,18 @@ class Waits:
         timeout: float | None = None,
         start_by: datetime | float | str | None = None,
         meta: Mapping[str, Any] | None = None,
+        budget: float | Mapping[str, Any] | None = None,
     ) -> uuid.UUID:
         """``ctx.spawn``: the child is admitted atomically with its step."""
         fields.play_name(play)
         fields.priority(priority)
         options = RunOptions.checked(
-            max_attempts=max_attempts, retry=retry, timeout=timeout, start_by=start_by, meta=meta
+            max_attempts=max_attempts,
+            retry=retry,
+            timeout=timeout,
+            start_by=start_by,
+            meta=meta,
+            budget=budget,
         )
         ref = self._steps.ref(key or f"$spawn:{play}", None)
         spawned: children.Spawned = await self._run(

@@ -74,7 +74,13 @@ async def script(run: Run, claims: Claims) -> None:
     await run(calls.LimitAcquire(LIMIT, "h1"))
     await run(calls.LimitAcquire(LIMIT, "h2"))  # at its cap: busy
     await run(calls.LimitRelease("h1"))
-    options = RunOptions.checked(max_attempts=2, retry="fixed:1s", timeout=30, meta={"m": 1})
+    options = RunOptions.checked(
+        max_attempts=2,
+        retry="fixed:1s",
+        timeout=30,
+        meta={"m": 1},
+        budget={"limit": 5, "unit": "usd"},
+    )
     spawned = await run(calls.RunSpawn("$spawn:child", "child", {"p": 1}, options, 3))
     await run(calls.RunSpawn("$spawn:child", "child", {"p": 1}, options, 3))  # a replay
     await run(calls.RunGet(spawned.run_id))
@@ -166,7 +172,9 @@ async def rows(conn: Conn, run_id: uuid.UUID, org: str) -> dict[str, Any]:
             run_id,
         ),
         "budgets": await fetch(
-            "SELECT unit, limit_amount, spent FROM wq_budgets WHERE org = %s ORDER BY unit", org
+            "SELECT unit, limit_amount, spent, run_id IS NULL FROM wq_budgets WHERE org = %s "
+            "ORDER BY unit",
+            org,
         ),
     }
 
@@ -274,6 +282,7 @@ async def test_every_action_answers_and_writes_the_same_on_both_paths(
         assert typed_rows[table] == wire_rows[table], table
     tables = ("receipts", "sheet_rows", "children", "charges", "reservations", "budgets")
     assert all(typed_rows[table] != "[]" for table in tables)
+    assert "'usd'" in typed_rows["budgets"]  # the child's own budget, from its spawn options
 
     ledger = claims_of(attempt, [LEDGER_PROJECT])
     (typed_ledger, ledger_rows), (wire_ledger, wire_ledger_rows) = await both_paths(
