@@ -94,9 +94,7 @@ async def charged(conn: Conn, run_id: uuid.UUID | None = None) -> Decimal:
 async def settled(conn: Conn, run_ids: list[uuid.UUID]) -> bool:
     """Every run has stopped moving: succeeded, or paused on its budget."""
     found = [await runs.get(conn, r) for r in run_ids]
-    return all(
-        r.state == "succeeded" or r.wait_reason == costs.BUDGET_EXHAUSTED for r in found
-    )
+    return all(r.state == "succeeded" or r.wait_reason == costs.BUDGET_EXHAUSTED for r in found)
 
 
 async def test_a_run_pauses_at_its_org_budget_and_a_raise_resumes_it(
@@ -168,8 +166,7 @@ async def test_four_workers_on_one_org_budget_never_overspend_even_when_killed(
         await costs.set_budget(conn, org=ORG, limit=60)
         async with workers(db_url, tmp_path, workers_n) as ws:
             run_ids = [
-                await submit(conn, "small", {"steps": steps, "delay_s": 0.2})
-                for _ in range(n_runs)
+                await submit(conn, "small", {"steps": steps, "delay_s": 0.2}) for _ in range(n_runs)
             ]
 
             async def all_settled() -> bool:
