@@ -30,7 +30,7 @@ import psycopg
 import structlog
 from psycopg.types.json import Jsonb
 
-from queues import fields, lanes, migrations, tracing
+from queues import costs, fields, lanes, migrations, tracing
 from queues.authority import EXECUTOR_CAPABILITIES, Descriptor
 from queues.errors import (
     InvalidField,
@@ -66,6 +66,8 @@ class Submission:
     timeout: float | timedelta | str | None = None  # seconds from its first start
     start_by: datetime | timedelta | float | str | None = None  # the claim deadline
     meta: Mapping[str, Any] | None = None  # a small JSON object stored with the run
+    # The run's own budget (queues.costs): a limit in credits, or {limit, unit, period}.
+    budget: float | str | Mapping[str, Any] | costs.RunBudget | None = None
 
     def options(self, names: Mapping[str, str] | None = None) -> RunOptions:
         """The run's own options, checked (a relative ``start_by`` counts from now);
@@ -76,6 +78,7 @@ class Submission:
             timeout=self.timeout,
             start_by=self.start_by,
             meta=self.meta,
+            budget=self.budget,
             names=names,
         )
 

@@ -15,17 +15,19 @@ checks before it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from decimal import Decimal
 from typing import Any, ClassVar, Generic, TypeVar
 
 import psycopg
 from psycopg.types.json import Jsonb
 
-from queues import children, fields, limits, receipts, runs, sheets
+from queues import children, costs, fields, limits, receipts, runs, sheets
 from queues.authority import Claims
 from queues.errors import DeliveryLeaseMismatch, InvalidField, StaleAttempt
 from queues.fence import refused
@@ -67,9 +69,10 @@ class ReceiptComplete(Call[JSON]):
     action: ClassVar[str] = "runtime_receipt_complete"
     ref: receipts.StepRef
     result: JSON = None
+    charges: Sequence[costs.Charge] = ()  # what the step cost, recorded with its receipt
 
     async def run(self, conn: AsyncConn, claims: Claims) -> JSON:
-        return await receipts.complete(conn, self.ref, result=self.result)
+        return await receipts.complete(conn, self.ref, result=self.result, charges=self.charges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +80,10 @@ class ReceiptRecord(Call[receipts.Claim]):
     action: ClassVar[str] = "runtime_receipt_record"
     ref: receipts.StepRef
     result: JSON = None
+    charges: Sequence[costs.Charge] = ()
 
     async def run(self, conn: AsyncConn, claims: Claims) -> receipts.Claim:
-        return await receipts.record(conn, self.ref, result=self.result)
+        return await receipts.record(conn, self.ref, result=self.result, charges=self.charges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +91,10 @@ class ReceiptFail(Call[None]):
     action: ClassVar[str] = "runtime_receipt_fail"
     ref: receipts.StepRef
     error: Mapping[str, JSON]
+    charges: Sequence[costs.Charge] = ()  # a failed call may have been billed
 
     async def run(self, conn: AsyncConn, claims: Claims) -> None:
-        await receipts.fail(conn, self.ref, error=self.error)
+        await receipts.fail(conn, self.ref, error=self.error, charges=self.charges)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +120,7 @@ class ReceiptsComplete(Call[receipts.PageCompletion]):
     action: ClassVar[str] = "runtime_receipts_complete"
     scope: receipts.Scope
     results: Sequence[tuple[str, JSON]]
+    charges: Mapping[str, Sequence[costs.Charge]] = dataclasses.field(default_factory=dict)
 
     async def run(self, conn: AsyncConn, claims: Claims) -> receipts.PageCompletion:
         return await receipts.complete_many(
@@ -124,6 +130,27 @@ class ReceiptsComplete(Call[receipts.PageCompletion]):
             scope=self.scope,
             fence=claims.fence,
             results=list(self.results),
+            charges=self.charges,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReserve(Call[costs.Reservation]):
+    """Reserve a step's estimate (or the same estimate for each of a page of row steps,
+    as many as fit, in order) against every budget of the run, before the steps run."""
+
+    action: ClassVar[str] = "runtime_budget_reserve"
+    scope: receipts.Scope
+    keys: Sequence[str]
+    estimate: Mapping[str, Decimal]
+
+    async def run(self, conn: AsyncConn, claims: Claims) -> costs.Reservation:
+        return await costs.reserve(
+            conn,
+            fence=claims.fence,
+            scope=self.scope.key,
+            keys=list(self.keys),
+            estimate=dict(self.estimate),
         )
 
 
@@ -414,6 +441,7 @@ BY_ACTION: Mapping[str, type[Call[Any]]] = {
         ReceiptsSettled,
         ReceiptsComplete,
         ReceiptsLookup,
+        BudgetReserve,
         SheetStart,
         SheetStartWithIntent,
         SheetComplete,

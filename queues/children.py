@@ -35,7 +35,7 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from queues import admission, fields, receipts, runs, tracing
+from queues import admission, costs, fields, receipts, runs, tracing
 from queues.authority import Descriptor
 from queues.errors import FenceError, InvalidField
 from queues.fence import Fence, refused
@@ -156,6 +156,16 @@ async def _spawn(
         existing = await cur.fetchone()
         assert existing is not None, f"child key {key!r} conflicts with another run"
         created_id = existing[0]
+    if options.budget is not None and created_id == child_id:
+        # The child's own budget, written with it (one transaction).
+        await costs.set_budget(
+            conn,
+            run_id=child_id,
+            limit=options.budget.limit,
+            unit=options.budget.unit,
+            period=options.budget.period,
+            actor=f"spawn:{fence.run_id}",
+        )
     await receipts.complete(conn, ref, result={"run_id": str(created_id), "play": play})
     return Spawned(run_id=created_id, created=created_id == child_id)
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
 from typing import Any
 
 import psycopg
 from psycopg.rows import class_row
 
-from queues import ledger, metrics, operator, recovery, runs, totals
+from queues import costs, ledger, metrics, operator, recovery, runs, totals
 from queues.lanes import Lane
 from queues.queries import q
 from queues.receipts import Scope
@@ -135,6 +136,7 @@ class RunDetail:
     sheets: list[SheetProgress]
     steps: list[Step]
     step_counts: dict[str, int]
+    spent: list[costs.Cost]  # the run's charges per provider and unit
 
     @property
     def traceback(self) -> str | None:
@@ -175,6 +177,7 @@ async def run_detail(conn: psycopg.AsyncConnection[Any], run_id: uuid.UUID) -> R
         sheets=sheets,
         steps=steps,
         step_counts=counts,
+        spent=await costs.costs(conn, by=("provider",), run_id=run_id),
     )
 
 
@@ -258,3 +261,84 @@ async def stats_view(
 async def releases(conn: psycopg.AsyncConnection[Any]) -> list[str]:
     cur = await conn.execute(q("dashboard_releases"))
     return [str(r[0]) for r in await cur.fetchall()]
+
+
+# ---- costs --------------------------------------------------------------------------------
+
+COSTS_DAYS = 30
+COSTS_SERIES = 6  # the orgs or providers charted apart; the rest are summed as "other"
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """Spend per UTC day of one org or provider (or "other"), in one unit."""
+
+    name: str
+    total: Decimal
+    by_day: dict[date, Decimal]
+
+
+@dataclass(frozen=True, slots=True)
+class CostsView:
+    unit: str | None  # the unit charted (None: nothing charged yet)
+    units: list[str]  # every unit charged in the window
+    days: list[date]  # the window's UTC days, oldest first
+    by_org: list[Series]
+    by_provider: list[Series]
+    totals: list[costs.Cost]  # per org and unit over the window
+    budgets: list[costs.Budget]
+
+
+async def costs_view(
+    conn: psycopg.AsyncConnection[Any],
+    *,
+    org: str | None = None,
+    unit: str | None = None,
+    days: int = COSTS_DAYS,
+    now: datetime | None = None,
+) -> CostsView:
+    """Spend per day over the last ``days`` UTC days, per org and per provider, in one unit
+    (the asked one, else the one with the most spent), with the budgets and their use."""
+    today = (now or datetime.now(UTC)).astimezone(UTC).date()
+    first = today - timedelta(days=days - 1)
+    since = datetime.combine(first, time(), tzinfo=UTC)
+    window = [first + timedelta(days=i) for i in range(days)]
+    per_org = await costs.costs(conn, by=("day", "org"), org=org, since=since, limit=100000)
+    per_provider = await costs.costs(
+        conn, by=("day", "provider"), org=org, since=since, limit=100000
+    )
+    spent: dict[str, Decimal] = {}
+    for c in per_org:
+        spent[c.unit] = spent.get(c.unit, Decimal(0)) + c.amount
+    units = sorted(spent, key=lambda u: (-spent[u], u))
+    chosen = unit if unit in spent else (units[0] if units else None)
+    totals_ = await costs.costs(conn, by=("org",), org=org, since=since)
+    return CostsView(
+        unit=chosen,
+        units=units,
+        days=window,
+        by_org=_series([(c.org or "", c) for c in per_org if c.unit == chosen]),
+        by_provider=_series(
+            [(c.provider or "(none)", c) for c in per_provider if c.unit == chosen]
+        ),
+        totals=totals_,
+        budgets=await costs.list_budgets(conn, org=org, now=now),
+    )
+
+
+def _series(rows: list[tuple[str, costs.Cost]]) -> list[Series]:
+    """The biggest :data:`COSTS_SERIES` names apart, biggest first, the rest as "other"."""
+    by_name: dict[str, dict[date, Decimal]] = {}
+    for name, c in rows:
+        assert c.day is not None
+        days = by_name.setdefault(name, {})
+        days[c.day] = days.get(c.day, Decimal(0)) + c.amount
+    ranked = sorted(by_name.items(), key=lambda kv: (-sum(kv[1].values()), kv[0]))
+    found = [Series(name, sum(d.values(), Decimal(0)), d) for name, d in ranked[:COSTS_SERIES]]
+    rest: dict[date, Decimal] = {}
+    for _, d in ranked[COSTS_SERIES:]:
+        for day, value in d.items():
+            rest[day] = rest.get(day, Decimal(0)) + value
+    if rest:
+        found.append(Series("other", sum(rest.values(), Decimal(0)), rest))
+    return found

@@ -19,7 +19,8 @@ database error onto this tree at one boundary.
     │   ├── UnknownPlay                 a play name nobody registered
     │   ├── IdempotencyConflict         same key, other play or params
     │   ├── PayloadTooLarge             params or input over the limit
-    │   └── LimitUnknown                a permit of a rate limit nobody defined
+    │   ├── LimitUnknown                a permit of a rate limit nobody defined
+    │   └── ChargeOutsideStep           ctx.charge where no step's receipt can carry it
     ├── DatabaseUnreachable             nothing answers at the configured database (exit 6)
     │   └── DatabaseLost                a long-lived process's outage outlasted --max-outage
     ├── DatabaseError                   the database refused a statement for another reason
@@ -194,6 +195,13 @@ class LimitUnknown(InputError):
     """A play asked for a permit of a limit that is not defined (``worker limits set``)."""
 
     code = "LIMIT_UNKNOWN"
+
+
+class ChargeOutsideStep(InputError):
+    """``ctx.charge`` called where no step's receipt can record it: outside a step's body,
+    without naming the row step (``step=``) whose receipt will carry it."""
+
+    code = "CHARGE_OUTSIDE_STEP"
 
 
 # ---- schema ----------------------------------------------------------------------------

@@ -26,6 +26,8 @@ ledger deliveries         ``ledger_append_delivered`` (the run-ledger token's ac
 child runs                ``child_spawn`` (with its step's ``receipt_claim`` and
                           ``receipt_finish``, in one transaction)
 rate-limit permits        ``limit_acquire``, ``limit_release``
+budget reservations       ``budget_reserve`` (a step's charges ride on its receipt
+                          write: ``receipt_finish``, ``receipt_complete_many``)
 suspend, final outcome    ``run_finish_batch`` (plus: cancel is final)
 lease renewal             ``run_heartbeat``
 ========================  =======================================================

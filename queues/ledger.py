@@ -63,6 +63,7 @@ SYSTEM_KINDS: frozenset[str] = frozenset(
         "respawned",  # recovery gave an orphan, a due sleeper or a woken waiter a job
         "adopted",  # an operator moved the run to another lane
         "event_received",  # an emit woke the run
+        "budget_changed",  # a budget write woke a run paused on its budget (queues.costs)
         "cancel_requested",  # a cancel asked the running attempt to stop
         "run_cancelled",  # finishing: cancelled
         "run_succeeded",  # finishing: the play returned

@@ -27,6 +27,7 @@ class LaneMetrics:
     queued: int
     running: int
     sleeping: int
+    budget_paused: int  # sleeping runs paused with BUDGET_EXHAUSTED (queues.costs)
     due_jobs: int
     live_workers: int
     oldest_due_wait_s: float

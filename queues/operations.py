@@ -53,7 +53,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from queues import calls, children, fields, limits, policy, receipts, runs, sheets
+from queues import calls, children, costs, fields, limits, policy, receipts, runs, sheets
 from queues.authority import LEDGER_PROJECT, Claims
 from queues.errors import (
     CapabilityScope,
@@ -221,10 +221,42 @@ def _wire_claim(c: calls.ReceiptClaim) -> dict[str, Any]:
 
 
 RECEIPT_CLAIM = Codec(_decode_claim, _claim_answer, _wire_claim, _claim_of)
+
+
+def _charges(r: Request, field: str = "charges") -> list[costs.Charge]:
+    """A step's charges from the wire: ``[{"amount", "unit"?, "provider"?}, ...]``."""
+    found = []
+    for index, item in enumerate(_list(r.input.get(field) or [], field)):
+        where = f"{field}[{index}]"
+        _check_fields(_mapping(item, where), _CHARGE, {"amount"}, where)
+        found.append(
+            costs.Charge.checked(
+                item["amount"], item.get("unit", costs.DEFAULT_UNIT), item.get("provider")
+            )
+        )
+    return found
+
+
+def _charge_wire(c: costs.Charge) -> dict[str, Any]:
+    wire: dict[str, Any] = {"amount": costs.number(c.amount), "unit": c.unit}
+    if c.provider is not None:
+        wire["provider"] = c.provider
+    return wire
+
+
+def _charges_wire(charges: Iterable[costs.Charge]) -> dict[str, Any]:
+    """Charges on the wire; none sent when there are none (an older receiver, which
+    refuses fields it does not define, serves a step that charged nothing)."""
+    listed = [_charge_wire(c) for c in charges]
+    return {"charges": listed} if listed else {}
+
+
 RECEIPT_COMPLETE = Codec(
-    lambda r, claims: calls.ReceiptComplete(_ref(r, claims), r.input.get("result")),
+    lambda r, claims: calls.ReceiptComplete(
+        _ref(r, claims), r.input.get("result"), charges=_charges(r)
+    ),
     lambda result: {"result": result},
-    lambda c: _ref_wire(c.ref) | {"result": c.result},
+    lambda c: _ref_wire(c.ref) | {"result": c.result} | _charges_wire(c.charges),
     lambda a: a["result"],
 )
 
@@ -234,9 +266,11 @@ def _record_answer(done: receipts.Claim) -> dict[str, Any]:
 
 
 RECEIPT_RECORD = Codec(
-    lambda r, claims: calls.ReceiptRecord(_ref(r, claims), r.input.get("result")),
+    lambda r, claims: calls.ReceiptRecord(
+        _ref(r, claims), r.input.get("result"), charges=_charges(r)
+    ),
     _record_answer,
-    lambda c: _ref_wire(c.ref) | {"result": c.result},
+    lambda c: _ref_wire(c.ref) | {"result": c.result} | _charges_wire(c.charges),
     lambda a: receipts.Claim(receipts.ClaimOutcome(a["outcome"]), a["stepKey"], a.get("result")),
 )
 
@@ -275,10 +309,15 @@ def _decode_fail(r: Request, claims: Claims) -> calls.ReceiptFail:
         raise InvalidField(
             "error must be an object", field="input.error", rule="a JSON object", fix="send one"
         )
-    return calls.ReceiptFail(_ref(r, claims), error)
+    return calls.ReceiptFail(_ref(r, claims), error, charges=_charges(r))
 
 
-RECEIPT_FAIL = Codec(_decode_fail, _none, lambda c: _ref_wire(c.ref) | {"error": c.error}, _nothing)
+RECEIPT_FAIL = Codec(
+    _decode_fail,
+    _none,
+    lambda c: _ref_wire(c.ref) | {"error": c.error} | _charges_wire(c.charges),
+    _nothing,
+)
 RECEIPT_SKIP = Codec(
     lambda r, claims: calls.ReceiptSkip(_ref(r, claims)),
     _none,
@@ -292,7 +331,25 @@ def _decode_page(r: Request, claims: Claims) -> calls.ReceiptsComplete:
         (_text(item, f"results[{i}][0]"), value)
         for i, (item, value) in enumerate(_pairs(r.input["results"], "results"))
     ]
-    return calls.ReceiptsComplete(_scope(claims, r.input.get("scope")), pairs)
+    by_key: dict[str, list[costs.Charge]] = {}
+    for index, item in enumerate(_list(r.input.get("charges") or [], "charges")):
+        where = f"charges[{index}]"
+        _check_fields(_mapping(item, where), _CHARGE | {"stepKey"}, {"stepKey", "amount"}, where)
+        charge = costs.Charge.checked(
+            item["amount"], item.get("unit", costs.DEFAULT_UNIT), item.get("provider")
+        )
+        by_key.setdefault(_text(item["stepKey"], f"{where}.stepKey"), []).append(charge)
+    return calls.ReceiptsComplete(_scope(claims, r.input.get("scope")), pairs, by_key)
+
+
+def _wire_page(c: calls.ReceiptsComplete) -> dict[str, Any]:
+    wire = {"results": [[key, value] for key, value in c.results]} | _scope_wire(c.scope)
+    charges = [
+        {"stepKey": key} | _charge_wire(charge)
+        for key, listed in c.charges.items()
+        for charge in listed
+    ]
+    return wire | ({"charges": charges} if charges else {})
 
 
 def _page_answer(page: receipts.PageCompletion) -> dict[str, Any]:
@@ -302,10 +359,62 @@ def _page_answer(page: receipts.PageCompletion) -> dict[str, Any]:
 RECEIPTS_COMPLETE = Codec(
     _decode_page,
     _page_answer,
-    lambda c: {"results": [[key, value] for key, value in c.results]} | _scope_wire(c.scope),
+    _wire_page,
     lambda a: receipts.PageCompletion(
         completed=a["completed"], already=a["already"], busy=a["busy"]
     ),
+)
+
+
+def _decode_reserve(r: Request, claims: Claims) -> calls.BudgetReserve:
+    keys = [_text(k, f"keys[{i}]") for i, k in enumerate(_list(r.input["keys"], "keys"))]
+    if len(keys) > receipts.MAX_PAGE:
+        raise InvalidField(
+            f"a reservation of {len(keys)} keys is too large",
+            field="input.keys",
+            rule=f"at most {receipts.MAX_PAGE} keys (a page)",
+            fix=f"reserve pages of {receipts.MAX_PAGE}",
+        )
+    estimate = costs.estimate_of(_mapping(r.input.get("estimate") or {}, "estimate"))
+    return calls.BudgetReserve(_scope(claims, r.input.get("scope")), keys, estimate)
+
+
+def _reservation_answer(got: costs.Reservation) -> dict[str, Any]:
+    return {
+        "granted": got.granted,
+        "requested": got.requested,
+        "budgets": got.budgets,
+        "exhausted": got.exhausted,
+        "wakeAt": _iso(got.wake_at),
+        "budgetId": got.budget_id,
+        "epoch": got.epoch,
+    }
+
+
+def _reservation_of(a: Mapping[str, Any]) -> costs.Reservation:
+    wake = a.get("wakeAt")
+    return costs.Reservation(
+        granted=int(a["granted"]),
+        requested=int(a["requested"]),
+        budgets=int(a["budgets"]),
+        exhausted=bool(a["exhausted"]),
+        wake_at=datetime.fromisoformat(wake) if wake else None,
+        budget_id=a.get("budgetId"),
+        epoch=int(a["epoch"]),
+    )
+
+
+BUDGET_RESERVE = Codec(
+    _decode_reserve,
+    _reservation_answer,
+    lambda c: (
+        {
+            "keys": list(c.keys),
+            "estimate": {unit: costs.number(amount) for unit, amount in c.estimate.items()},
+        }
+        | _scope_wire(c.scope)
+    ),
+    _reservation_of,
 )
 
 
@@ -488,7 +597,7 @@ LIMIT_RELEASE = Codec(
     lambda a: bool(a["released"]),
 )
 
-_SPAWN_OPTIONS = frozenset({"max_attempts", "retry", "timeout", "start_by", "meta"})
+_SPAWN_OPTIONS = frozenset({"max_attempts", "retry", "timeout", "start_by", "meta", "budget"})
 
 
 def _decode_spawn(r: Request, claims: Claims) -> calls.RunSpawn:
@@ -512,6 +621,7 @@ def _wire_spawn(c: calls.RunSpawn) -> dict[str, Any]:
         "timeout": options.timeout_s,
         "start_by": options.start_by.isoformat() if options.start_by else None,
         "meta": options.meta,
+        "budget": options.budget.as_json() if options.budget else None,
     }
     return {
         "stepKey": c.step_key,
@@ -596,6 +706,7 @@ _SHEET_PAGE = frozenset({"tableNamespace", "rows"})
 _ADMISSION = frozenset({"writeVersion", "stableWriteIntent", "pendingRerunAdmission"})
 _STEP = frozenset({"stepKey"})
 _RUN = frozenset({"runId"})
+_CHARGE = frozenset({"amount", "unit", "provider"})  # one charge on the wire
 
 # The one table of runtime actions: wire name, capability, codec, fields. A receiver of
 # an older release serves a subset (``served`` in :func:`dispatch`).
@@ -640,7 +751,7 @@ ACTIONS: Mapping[str, Action] = {
             RECEIPT_WRITE,
             RECEIPT_COMPLETE,
             _STEP,
-            _RUN | {"scope", "result"},
+            _RUN | {"scope", "result", "charges"},
         ),
         # A run's own steps: which settled before this attempt (once), then claim-and-complete
         # each after it ran, one durable commit per step (worker.context explains why).
@@ -656,14 +767,14 @@ ACTIONS: Mapping[str, Action] = {
             RECEIPT_WRITE,
             RECEIPT_RECORD,
             _STEP,
-            _RUN | {"scope", "result"},
+            _RUN | {"scope", "result", "charges"},
         ),
         Action(
             "runtime_receipt_fail",
             RECEIPT_WRITE,
             RECEIPT_FAIL,
             _STEP | {"error"},
-            _RUN | {"scope"},
+            _RUN | {"scope", "charges"},
         ),
         Action("runtime_receipt_skip", RECEIPT_WRITE, RECEIPT_SKIP, _STEP, _RUN | {"scope"}),
         Action(
@@ -671,8 +782,16 @@ ACTIONS: Mapping[str, Action] = {
             RECEIPT_WRITE,
             RECEIPTS_COMPLETE,
             frozenset({"results"}),
-            _RUN | {"scope"},
+            _RUN | {"scope", "charges"},
             COMPLETION_TIMEOUT_S,
+        ),
+        # A step's estimate reserved against the run's budgets before it runs (queues.costs).
+        Action(
+            "runtime_budget_reserve",
+            RECEIPT_WRITE,
+            BUDGET_RESERVE,
+            frozenset({"keys"}),
+            _RUN | {"scope", "estimate"},
         ),
         Action(
             "runtime_receipts_lookup",
@@ -1158,6 +1277,8 @@ FIELD_TYPES: Mapping[str, Check] = {
     "priority": _whole(*fields.PRIORITY_RANGE, optional=True),
     "childId": _uuid_field,
     "events": _list_field,
+    "charges": _list_field,
+    "estimate": _mapping_field,
 }
 
 

@@ -19,7 +19,9 @@ claim with ``coalesce(run, lane)``:
   ``START_DEADLINE_PASSED`` by the claim that finds it late (its play never runs) or by the
   recovery pass when no worker claims it; only the first start counts (a retry is not
   late);
-- **meta**: a small JSON object kept with the run (``worker runs show``, ``ctx.meta``).
+- **meta**: a small JSON object kept with the run (``worker runs show``, ``ctx.meta``);
+- **budget**: the run's own budget (:mod:`queues.costs`), a limit in a unit over a period
+  (``budget=50``: 50 credits, no period), written with the run by the same statement.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues import fields
+from queues import costs, fields
 from queues.queries import q
 
 TIMED_OUT = "RUN_TIMED_OUT"  # the error code of a run stopped at its timeout
@@ -49,6 +51,7 @@ class RunOptions:
     timeout_s: float | None = None
     start_by: datetime | None = None
     meta: dict[str, Any] | None = None
+    budget: costs.RunBudget | None = None
 
     @classmethod
     def checked(
@@ -59,6 +62,7 @@ class RunOptions:
         timeout: object = None,
         start_by: object = None,
         meta: object = None,
+        budget: object = None,
         now: datetime | None = None,
         names: Mapping[str, str] | None = None,
     ) -> RunOptions:
@@ -70,6 +74,7 @@ class RunOptions:
             "timeout": "timeout",
             "start_by": "start_by",
             "meta": "meta",
+            "budget": "budget",
         } | dict(names or {})
         return cls(
             max_attempts=None
@@ -83,6 +88,9 @@ class RunOptions:
             if start_by is None
             else fields.start_by(start_by, field=name["start_by"], now=now),
             meta=None if meta is None else fields.meta(meta, field=name["meta"]),
+            budget=None
+            if budget is None
+            else costs.RunBudget.checked(budget, field=name["budget"]),
         )
 
     @property
@@ -102,6 +110,8 @@ class RunOptions:
             doc["start_by"] = self.start_by.isoformat()
         if self.meta is not None:
             doc["meta"] = self.meta
+        if self.budget is not None:
+            doc["budget"] = self.budget.as_json()
         return doc
 
     def columns(self) -> dict[str, Any]:

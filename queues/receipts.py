@@ -20,6 +20,10 @@ holds is taken over only once its lease lapses, so a long step keeps its claim a
 Row-level work is batched: :func:`lookup_many` reads a page's paid results in one round
 trip, :func:`complete_many` records a page in one statement.
 
+What a step cost (:class:`queues.costs.Charge`) travels with its completion or failure and
+is written by the same statement, only when it settles the receipt (:mod:`queues.costs`):
+a replay, a repeat after a lost answer and a stale attempt record nothing.
+
 Lock order and bounds are described at the top of ``sql/queries/receipts.sql``.
 """
 
@@ -38,7 +42,7 @@ from uuid import UUID
 import psycopg
 from psycopg.rows import class_row
 
-from queues import fields
+from queues import costs, fields
 from queues.errors import InvalidField
 from queues.fence import Fence, refused
 from queues.queries import own_transaction, q
@@ -159,6 +163,7 @@ class PageCompletion:
     completed: list[str]  # newly completed by this call, with the caller's result
     already: list[str]  # completed or skipped before; the recorded result stands
     busy: list[str]  # a live claim of another run holds it; nothing recorded
+    budget_spent: bool = False  # its charges left a budget of the run spent
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +287,7 @@ async def claim(
 @dataclass(frozen=True, slots=True)
 class _FinishRow:
     written: bool
+    budget_spent: bool
     fenced: bool
     run_attempt: int | None
     run_state: str | None
@@ -307,9 +313,10 @@ async def complete(
     ref: StepRef,
     *,
     result: JSON,
+    charges: Sequence[costs.Charge] = (),
     now: datetime | None = None,
 ) -> JSON:
-    """Record the result of a step this attempt holds; fenced.
+    """Record the result of a step this attempt holds, with its charges; fenced.
 
     Returns the result as later attempts will replay it (decoded from the stored JSON, so
     tuples come back as lists), so the first execution and a replay see the same value.
@@ -321,6 +328,7 @@ async def complete(
         ref,
         result=dumped,
         error=None,
+        charges=charges,
         now=now,
     )
     # A repeat answers with the result stored the first time, as a replay would.
@@ -332,9 +340,11 @@ async def fail(
     ref: StepRef,
     *,
     error: Mapping[str, JSON],
+    charges: Sequence[costs.Charge] = (),
     now: datetime | None = None,
 ) -> None:
-    """Record that a step this attempt holds raised; a later claim may take it again."""
+    """Record that a step this attempt holds raised; a later claim may take it again. Its
+    charges are recorded all the same: a call that failed may have been billed."""
     dumped = _dump(error, what=f"the error of step {ref.step_key!r}", field="error")
     await _finish(
         conn,
@@ -342,6 +352,7 @@ async def fail(
         ref,
         result=None,
         error=dumped,
+        charges=charges,
         now=now,
     )
 
@@ -359,6 +370,7 @@ async def skip(
         ref,
         result=None,
         error=None,
+        charges=(),
         now=now,
     )
 
@@ -370,6 +382,7 @@ async def _finish(
     *,
     result: str | None,
     error: str | None,
+    charges: Sequence[costs.Charge],
     now: datetime | None,
 ) -> _FinishRow | None:
     """Write the finish; None when written now, the row when this attempt had written it
@@ -386,6 +399,7 @@ async def _finish(
         "result": result,
         "error": error,
         "now": now,
+        **costs.Charges.of(charges).params(),
         **fence.params(),
     }
     async with conn.cursor(row_factory=class_row(_FinishRow)) as cur:
@@ -419,6 +433,7 @@ async def _finish(
 @dataclass(frozen=True, slots=True)
 class _PageRow:
     fenced: bool
+    budget_spent: bool
     run_attempt: int | None
     run_state: str | None
     completed: list[str]
@@ -434,14 +449,16 @@ async def complete_many(
     scope: Scope,
     fence: Fence,
     results: Sequence[tuple[str, JSON]],
+    charges: Mapping[str, Sequence[costs.Charge]] | None = None,
     now: datetime | None = None,
 ) -> PageCompletion:
     """Claim-and-complete a page of steps (row-level work) in one statement; fenced.
 
     Keys that are already completed or skipped keep their recorded result; a key another
     run holds with a live claim is left alone (``busy``). Everything else (missing, failed,
-    lapsed, or held by this run) is completed with the caller's result. A page holds at
-    most :data:`MAX_PAGE` keys, each once.
+    lapsed, or held by this run) is completed with the caller's result, and with its
+    ``charges`` (by key; a key of another page's is refused). A page holds at most
+    :data:`MAX_PAGE` keys, each once.
     """
     _check_ref(org=org, play=play, step_key=None)
     keys = [key for key, _ in results]
@@ -451,6 +468,14 @@ async def complete_many(
     dumped = [
         _dump(value, what=f"the result of step {key!r}", field="results") for key, value in results
     ]
+    strays = sorted(set(charges or {}) - set(keys))
+    if strays:
+        raise InvalidField(
+            f"charges name step {strays[0]!r}, which is not in the page",
+            field="charges",
+            rule="charges of the page's own keys",
+            fix="send a row's charges with the page that completes the row",
+        )
     return await _complete_page(
         conn,
         org=org,
@@ -459,6 +484,7 @@ async def complete_many(
         fence=fence,
         keys=keys,
         dumped=dumped,
+        charges=charges or {},
         now=now,
         subject=f"a page of {len(keys)} steps (first {keys[0]!r})",
     )
@@ -473,6 +499,7 @@ async def _complete_page(
     fence: Fence,
     keys: list[str],
     dumped: list[str],
+    charges: Mapping[str, Sequence[costs.Charge]],
     now: datetime | None,
     subject: str,
 ) -> PageCompletion:
@@ -483,6 +510,7 @@ async def _complete_page(
         "keys": keys,
         "results": dumped,
         "now": now,
+        **costs.page_charges(charges),
         **fence.params(count=len(keys)),
     }
     async with conn.cursor(row_factory=class_row(_PageRow)) as cur:
@@ -499,7 +527,12 @@ async def _complete_page(
             run_attempt=row.run_attempt,
             run_state=row.run_state,
         )
-    return PageCompletion(completed=row.completed, already=row.already, busy=row.busy)
+    return PageCompletion(
+        completed=row.completed,
+        already=row.already,
+        busy=row.busy,
+        budget_spent=row.budget_spent,
+    )
 
 
 async def record(
@@ -507,9 +540,11 @@ async def record(
     ref: StepRef,
     *,
     result: JSON,
+    charges: Sequence[costs.Charge] = (),
     now: datetime | None = None,
 ) -> Claim:
-    """Claim-and-complete one step that ran without a claim, in one fenced statement.
+    """Claim-and-complete one step that ran without a claim, with its charges, in one
+    fenced statement.
 
     For the steps of a run's own scope, whose only exclusion (other attempts of the run)
     the run's lease already gives: the attempt learns at its first step which of them
@@ -529,6 +564,7 @@ async def record(
         fence=ref.fence,
         keys=[step_key],
         dumped=[dumped],
+        charges={step_key: charges} if charges else {},
         now=now,
         subject=f"step {step_key!r}",
     )

@@ -48,7 +48,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import class_row
 
-from queues import children, lanes, limits, options, outcomes, transport
+from queues import children, costs, lanes, limits, options, outcomes, transport
 from queues.errors import InvalidField, did_you_mean
 from queues.lanes import LaneState, RetryPolicy
 from queues.queries import q
@@ -187,6 +187,8 @@ class RecoveryReport:
     # Unfinished children of cancelled parents that no cancel reached (queues.children).
     children_cancelled: tuple[uuid.UUID, ...] = ()
     holds_swept: int = 0  # permits of attempts no longer live, deleted (queues.limits)
+    # Reservations of attempts that ended without settling them, deleted (queues.costs).
+    reservations_swept: int = 0
 
     def _count(self, state: str) -> int:
         return sum(1 for r in self.expired if r.state == state)
@@ -213,6 +215,7 @@ class RecoveryReport:
             "start_deadline_failed": len(self.unstarted_failed),
             "children_cancelled": len(self.children_cancelled),
             "holds_swept": self.holds_swept,
+            "reservations_swept": self.reservations_swept,
         }
 
     def as_dict(self) -> dict[str, Any]:
@@ -252,6 +255,8 @@ async def run_once(
     unstarted = await options.expire_unstarted(conn, now=now, batch=batch)
     orphans = await children.cancel_orphans(conn, batch=batch)
     swept = await limits.sweep(conn, now=now, batch=batch)
+    # A rescued attempt's reservations stopped counting with it (its run moved on): deleted.
+    released = await costs.sweep(conn, batch=batch)
     return RecoveryReport(
         expired=tuple(expired),
         respawned=tuple(respawned),
@@ -269,11 +274,13 @@ async def run_once(
             deleted_events,
             len(unstarted),
             swept,
+            released,
         )
         >= batch,
         unstarted_failed=tuple(unstarted),
         children_cancelled=tuple(orphans),
         holds_swept=swept,
+        reservations_swept=released,
     )
 
 

@@ -185,6 +185,9 @@ class Run:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    # Why a sleeping run waits, when it is not its own wait: BUDGET_EXHAUSTED (paused on a
+    # budget, queues.costs); None otherwise.
+    wait_reason: str | None = None
 
     @property
     def terminal(self) -> bool:

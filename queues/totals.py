@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import psycopg
@@ -27,6 +28,8 @@ class Totals:
     refusals: dict[str, int] = field(default_factory=dict)  # refused writes by kind
     refused_rows: dict[str, int] = field(default_factory=dict)  # rows they carried, by kind
     live_workers: int = 0
+    # Charges recorded, by (org, play, provider or '', unit) (queues.costs)
+    charged: dict[tuple[str, str, str, str], Decimal] = field(default_factory=dict)
 
     @property
     def lease_rescues(self) -> int:
@@ -46,17 +49,23 @@ class Totals:
             "refused_writes": dict(self.refusals),
             "refused_rows": dict(self.refused_rows),
             "live_workers": self.live_workers,
+            "charged": [
+                {"org": o, "play": p, "provider": pr or None, "unit": u, "amount": float(a)}
+                for (o, p, pr, u), a in sorted(self.charged.items())
+            ],
         }
 
 
 async def read(conn: psycopg.AsyncConnection[Any], *, now: datetime | None = None) -> Totals:
-    """Every total in two read-only statements."""
+    """Every total in three read-only statements."""
     cur = await conn.execute(q("metrics_totals"))
     by_metric: dict[str, dict[str, int]] = {}
     for metric, label, value in await cur.fetchall():
         by_metric.setdefault(str(metric), {})[str(label)] = int(value)
     cur = await conn.execute(q("metrics_live_workers"), {"now": now})
     row = await cur.fetchone()
+    cur = await conn.execute(q("metrics_charged"))
+    charged = {(str(o), str(p), str(pr), str(u)): a for o, p, pr, u, a in await cur.fetchall()}
     return Totals(
         runs_admitted=by_metric.get("runs_admitted", {}).get("", 0),
         rows_completed=by_metric.get("rows_completed", {}).get("", 0),
@@ -64,4 +73,5 @@ async def read(conn: psycopg.AsyncConnection[Any], *, now: datetime | None = Non
         refusals=by_metric.get("refusals", {}),
         refused_rows=by_metric.get("refused_rows", {}),
         live_workers=int(row[0]) if row else 0,
+        charged=charged,
     )

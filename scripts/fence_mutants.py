@@ -474,6 +474,23 @@ for query, file, selected in (
     for what, piece in FENCE_PIECES.items():
         drop(f"{query}.{what}", file, query, context, piece, (FENCE_SCHEDULING,))
 
+# A step's reservation against its run's budgets (sql/queries/costs.sql), fenced in its own
+# statement; the charges ride on the receipt statements' fences above.
+BUDGET_RESERVE_FENCE = (
+    "     WHERE checked.ok\n"
+    "       AND attempt = %(attempt)s AND state = 'running' AND lease_owner = %(owner)s\n"
+    "), refusal AS ("
+)
+for what, piece in FENCE_PIECES.items():
+    drop(
+        f"budget_reserve.{what}",
+        "sql/queries/costs.sql",
+        "budget_reserve",
+        BUDGET_RESERVE_FENCE,
+        piece,
+        (FENCE_SCHEDULING, "tests/db/test_costs.py"),
+    )
+
 # The bucket a permit needs, made by the attempt's first acquire, fenced the same way.
 BUCKET = (
     "   AND r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.state = 'running'\n"

@@ -631,6 +631,136 @@ END;
 $$;
 
 --
+-- Name: wq_budget_charge(uuid, text, text, text[], numeric[], timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_budget_charge(p_run uuid, p_org text, p_play text, p_units text[], p_amounts numeric[], p_at timestamp with time zone) RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_spent boolean;
+BEGIN
+    PERFORM 1
+       FROM wq_budgets b
+      WHERE b.org = p_org AND (b.run_id = p_run OR (b.run_id IS NULL AND b.play IN ('', p_play)))
+        AND b.unit = ANY (p_units)
+      ORDER BY b.id
+        FOR UPDATE;
+    WITH charged AS (
+        SELECT c.unit, sum(c.amount) AS amount
+          FROM unnest(p_units, p_amounts) AS c (unit, amount)
+         GROUP BY c.unit
+    ), counted AS (
+        UPDATE wq_budgets b
+           SET spent = CASE WHEN b.period_start < wq_budget_period_start(b.period, p_at)
+                            THEN 0 ELSE b.spent END + c.amount,
+               period_start = greatest(b.period_start, wq_budget_period_start(b.period, p_at))
+          FROM charged c
+         WHERE b.org = p_org
+           AND (b.run_id = p_run OR (b.run_id IS NULL AND b.play IN ('', p_play)))
+           AND b.unit = c.unit
+        RETURNING b.spent >= b.limit_amount AS spent
+    )
+    SELECT coalesce(bool_or(counted.spent), false) INTO v_spent FROM counted;
+    RETURN v_spent;
+END
+$$;
+
+--
+-- Name: wq_budget_period_end(text, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_budget_period_end(p_period text, p_start timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$
+    SELECT CASE p_period
+               WHEN 'day' THEN ((p_start AT TIME ZONE 'UTC') + interval '1 day') AT TIME ZONE 'UTC'
+               WHEN 'month' THEN ((p_start AT TIME ZONE 'UTC') + interval '1 month')
+                                 AT TIME ZONE 'UTC'
+           END
+$$;
+
+--
+-- Name: wq_budget_period_start(text, timestamp with time zone); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_budget_period_start(p_period text, p_at timestamp with time zone) RETURNS timestamp with time zone
+    LANGUAGE sql STABLE PARALLEL SAFE
+    AS $$
+    SELECT CASE p_period
+               WHEN 'day' THEN date_trunc('day', p_at, 'UTC')
+               WHEN 'month' THEN date_trunc('month', p_at, 'UTC')
+               ELSE '-infinity'::timestamptz
+           END
+$$;
+
+--
+-- Name: wq_budget_problem(jsonb); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_budget_problem(p_budget jsonb) RETURNS text[]
+    LANGUAGE plpgsql IMMUTABLE
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_unknown text;
+    v_limit jsonb := p_budget -> 'limit';
+BEGIN
+    IF p_budget IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF jsonb_typeof(p_budget) <> 'object' THEN
+        RETURN ARRAY['WQ010', 'budget', 'an object {"limit", "unit", "period"}',
+                     format('the budget is a JSON %s', jsonb_typeof(p_budget)),
+                     'pass e.g. budget 50'];
+    END IF;
+    SELECT k INTO v_unknown FROM jsonb_object_keys(p_budget) AS k
+     WHERE k NOT IN ('limit', 'unit', 'period') LIMIT 1;
+    IF v_unknown IS NOT NULL THEN
+        RETURN ARRAY['WQ010', 'budget.' || v_unknown, 'limit, unit and period only',
+                     format('budget field %s is not known', wq_shown(v_unknown)),
+                     'drop it'];
+    END IF;
+    IF jsonb_typeof(v_limit) IS DISTINCT FROM 'number' THEN
+        RETURN ARRAY['WQ010', 'budget.limit',
+                     format('a number from 0 to %s', wq_cost_rules() ->> 'max_amount'),
+                     'the budget''s limit is ' || coalesce(left(v_limit::text, 60), 'missing'),
+                     'pass e.g. budget 50'];
+    END IF;
+    IF jsonb_typeof(p_budget -> 'unit') IS DISTINCT FROM 'string'
+       OR jsonb_typeof(p_budget -> 'period') IS DISTINCT FROM 'string' THEN
+        RETURN ARRAY['WQ010', 'budget', 'unit and period as strings',
+                     'the budget''s unit or period is not a string',
+                     'pass e.g. {"limit": 50, "unit": "credits", "period": "none"}'];
+    END IF;
+    IF NOT (wq_cost_rules() -> 'periods') ? (p_budget ->> 'period') THEN
+        RETURN ARRAY['WQ010', 'budget.period', 'day, month or none',
+                     'the budget''s period is ' || wq_shown(p_budget ->> 'period'),
+                     'pass day, month or none'];
+    END IF;
+    RETURN wq_cost_problem(ARRAY[p_budget ->> 'unit'], ARRAY[(v_limit::text)::numeric],
+                           NULL, 'budget');
+END
+$$;
+
+--
+-- Name: wq_budget_reserved(text, text, uuid, text, uuid, text, text[]); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_budget_reserved(p_org text, p_play text, p_run uuid, p_unit text, p_self uuid, p_scope text, p_keys text[]) RETURNS numeric
+    LANGUAGE sql
+    AS $$
+    SELECT coalesce(sum(v.amount), 0)
+      FROM wq_reservations v
+      JOIN wq_runs r ON r.id = v.run_id AND r.attempt = v.attempt AND r.state = 'running'
+     WHERE v.org = p_org AND v.unit = p_unit
+       AND (p_play = '' OR v.play = p_play)
+       AND (p_run IS NULL OR v.run_id = p_run)
+       AND NOT (v.run_id = p_self AND v.scope = p_scope AND v.step_key = ANY (p_keys))
+$$;
+
+--
 -- Name: wq_child_run_ended(); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -672,6 +802,89 @@ BEGIN
     RETURN NULL;
 END;
 $$;
+
+--
+-- Name: wq_cost_check(text[], numeric[], text[], text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_cost_check(p_units text[], p_amounts numeric[], p_providers text[], p_what text) RETURNS boolean
+    LANGUAGE plpgsql
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_problem text[] := wq_cost_problem(p_units, p_amounts, p_providers, p_what);
+BEGIN
+    IF v_problem IS NOT NULL THEN
+        PERFORM wq_refuse(v_problem);
+    END IF;
+    RETURN true;
+END
+$$;
+
+--
+-- Name: wq_cost_problem(text[], numeric[], text[], text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_cost_problem(p_units text[], p_amounts numeric[], p_providers text[], p_what text) RETURNS text[]
+    LANGUAGE plpgsql IMMUTABLE
+    SET search_path TO 'public', 'pg_temp'
+    AS $$
+DECLARE
+    v_pattern text := wq_cost_rules() ->> 'name';
+    v_max numeric := (wq_cost_rules() ->> 'max_amount')::numeric;
+    i integer;
+BEGIN
+    IF coalesce(cardinality(p_units), 0) <> coalesce(cardinality(p_amounts), 0)
+       OR (p_providers IS NOT NULL
+           AND cardinality(p_providers) <> coalesce(cardinality(p_units), 0)) THEN
+        RETURN ARRAY['WQ010', p_what, 'units, amounts (and providers) side by side',
+                     format('the %s hold %s units and %s amounts', p_what,
+                            coalesce(cardinality(p_units), 0),
+                            coalesce(cardinality(p_amounts), 0)),
+                     'send one unit and one amount per entry'];
+    END IF;
+    FOR i IN 1 .. coalesce(cardinality(p_units), 0) LOOP
+        IF p_units[i] IS NULL OR p_units[i] !~ v_pattern THEN
+            RETURN ARRAY['WQ010', p_what || '.unit',
+                         'lower-case letters, digits, ''.'', ''_'', '':'' or ''-'', starting '
+                         'with a letter or digit, up to 100 characters',
+                         format('unit %s is not a unit name', coalesce(wq_shown(p_units[i]),
+                                                                      'null')),
+                         'name the unit like credits or usd'];
+        END IF;
+        -- NaN compares above every number and Infinity above the bound: both refused here.
+        IF p_amounts[i] IS NULL OR NOT (p_amounts[i] >= 0 AND p_amounts[i] <= v_max) THEN
+            RETURN ARRAY['WQ010', p_what || '.amount',
+                         format('a finite number from 0 to %s', v_max),
+                         format('the amount in %s is %s', p_units[i],
+                                coalesce(p_amounts[i]::text, 'null')),
+                         'pass what the call cost, e.g. 1 or 0.002'];
+        END IF;
+        IF p_providers IS NOT NULL AND p_providers[i] IS NOT NULL AND p_providers[i] <> ''
+           AND p_providers[i] !~ v_pattern THEN
+            RETURN ARRAY['WQ010', p_what || '.provider',
+                         'lower-case letters, digits, ''.'', ''_'', '':'' or ''-'', starting '
+                         'with a letter or digit, up to 100 characters',
+                         format('provider %s is not a provider name', wq_shown(p_providers[i])),
+                         'name the provider like clearbit or openai'];
+        END IF;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+--
+-- Name: wq_cost_rules(); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_cost_rules() RETURNS jsonb
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $_$
+    SELECT jsonb_build_object(
+        'name', '^[a-z0-9][a-z0-9_.:-]{0,99}$',   -- a unit or a provider (a limit key's rule)
+        'max_amount', 1000000000000,             -- one charge, one estimate, one budget
+        'periods', jsonb_build_array('day', 'month', 'none'))
+$_$;
 
 --
 -- Name: wq_events_appended(); Type: FUNCTION; Schema: public; Owner: -
@@ -1635,17 +1848,20 @@ DECLARE
     v_admitted record;
     v_unknown text;
     v_retry jsonb;
+    v_budget jsonb;
     v_problem text[];
 BEGIN
-    v_problem := wq_options_problem(p_options);
+    v_problem := coalesce(wq_options_problem(p_options - 'budget'),
+                          wq_budget_problem(p_options -> 'budget'));
     IF v_problem IS NOT NULL THEN
         PERFORM wq_refuse(v_problem);
     END IF;
     v_retry := coalesce(p_options -> 'retry', '{}'::jsonb);
+    v_budget := p_options -> 'budget';
 
     SELECT k INTO v_unknown
       FROM jsonb_object_keys(coalesce(p_options, '{}'::jsonb)) AS k
-     WHERE k NOT IN ('max_attempts', 'retry', 'timeout_s', 'start_by', 'meta')
+     WHERE k NOT IN ('max_attempts', 'retry', 'timeout_s', 'start_by', 'meta', 'budget')
      UNION ALL
     SELECT 'retry.' || k
       FROM jsonb_object_keys(v_retry) AS k
@@ -1658,7 +1874,8 @@ BEGIN
                              'written', v_unknown),
             DETAIL = json_build_object('field', v_unknown,
                                        'rule', 'max_attempts, retry (kind, base_s, factor, '
-                                               'cap_s, jitter), timeout_s, start_by, meta')::text,
+                                               'cap_s, jitter), timeout_s, start_by, meta, '
+                                               'budget')::text,
             HINT = 'run `worker migrate` with the release that sends this option, or drop it';
     END IF;
 
@@ -1677,6 +1894,12 @@ BEGIN
                start_by = (p_options ->> 'start_by')::timestamptz,
                meta = p_options -> 'meta'
          WHERE r.id = v_admitted.run_id;
+        IF v_budget IS NOT NULL THEN
+            INSERT INTO wq_budget_epochs (org) VALUES (p_org) ON CONFLICT (org) DO NOTHING;
+            INSERT INTO wq_budgets (org, run_id, unit, period, limit_amount, updated_by)
+            VALUES (p_org, v_admitted.run_id, v_budget ->> 'unit', v_budget ->> 'period',
+                    (v_budget ->> 'limit')::numeric, 'submit');
+        END IF;
     END IF;
     RETURN QUERY SELECT v_admitted.run_id, v_admitted.created, v_admitted.lane::text,
                         v_admitted.job_id;
@@ -2472,6 +2695,89 @@ CREATE TABLE public.wq_attempts (
 );
 
 --
+-- Name: wq_budget_epochs; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_budget_epochs (
+    org text NOT NULL,
+    epoch bigint DEFAULT 0 NOT NULL
+);
+
+--
+-- Name: wq_budgets; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_budgets (
+    id bigint NOT NULL,
+    org text NOT NULL,
+    play text DEFAULT ''::text NOT NULL,
+    run_id uuid,
+    unit text NOT NULL,
+    period text NOT NULL,
+    limit_amount numeric NOT NULL,
+    spent numeric DEFAULT 0 NOT NULL,
+    period_start timestamp with time zone DEFAULT '-infinity'::timestamp with time zone NOT NULL,
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    updated_by text,
+    CONSTRAINT wq_budgets_limit_amount_check CHECK (((limit_amount >= (0)::numeric) AND (limit_amount <= ('1000000000000'::bigint)::numeric))),
+    CONSTRAINT wq_budgets_org_check CHECK ((org <> ''::text)),
+    CONSTRAINT wq_budgets_period_check CHECK ((period = ANY (ARRAY['day'::text, 'month'::text, 'none'::text]))),
+    CONSTRAINT wq_budgets_run_has_no_play CHECK (((run_id IS NULL) OR (play = ''::text))),
+    CONSTRAINT wq_budgets_spent_check CHECK ((spent >= (0)::numeric)),
+    CONSTRAINT wq_budgets_unit_check CHECK ((unit ~ '^[a-z0-9][a-z0-9_.:-]{0,99}$'::text))
+);
+
+--
+-- Name: wq_budgets_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_budgets ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.wq_budgets_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
+-- Name: wq_charges; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_charges (
+    id bigint NOT NULL,
+    run_id uuid NOT NULL,
+    attempt integer NOT NULL,
+    org text NOT NULL,
+    play text NOT NULL,
+    scope text NOT NULL,
+    step_key text NOT NULL,
+    outcome text NOT NULL,
+    unit text NOT NULL,
+    provider text DEFAULT ''::text NOT NULL,
+    amount numeric NOT NULL,
+    charged_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT wq_charges_amount_check CHECK (((amount >= (0)::numeric) AND (amount <= ('1000000000000'::bigint)::numeric))),
+    CONSTRAINT wq_charges_outcome_check CHECK ((outcome = ANY (ARRAY['completed'::text, 'failed'::text]))),
+    CONSTRAINT wq_charges_provider_check CHECK (((provider = ''::text) OR (provider ~ '^[a-z0-9][a-z0-9_.:-]{0,99}$'::text))),
+    CONSTRAINT wq_charges_unit_check CHECK ((unit ~ '^[a-z0-9][a-z0-9_.:-]{0,99}$'::text))
+);
+
+--
+-- Name: wq_charges_id_seq; Type: SEQUENCE; Schema: public; Owner: -
+--
+
+ALTER TABLE public.wq_charges ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.wq_charges_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
+--
 -- Name: wq_emitted_events; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -2872,6 +3178,23 @@ ALTER TABLE public.wq_refusals ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY 
 );
 
 --
+-- Name: wq_reservations; Type: TABLE; Schema: public; Owner: -
+--
+
+CREATE TABLE public.wq_reservations (
+    run_id uuid NOT NULL,
+    scope text NOT NULL,
+    step_key text NOT NULL,
+    unit text NOT NULL,
+    attempt integer NOT NULL,
+    org text NOT NULL,
+    play text NOT NULL,
+    amount numeric NOT NULL,
+    reserved_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT wq_reservations_amount_check CHECK (((amount >= (0)::numeric) AND (amount <= ('1000000000000'::bigint)::numeric)))
+);
+
+--
 -- Name: wq_run_inputs; Type: TABLE; Schema: public; Owner: -
 --
 
@@ -3080,6 +3403,34 @@ ALTER TABLE ONLY public.wq_attempts
     ADD CONSTRAINT wq_attempts_pkey PRIMARY KEY (run_id, attempt);
 
 --
+-- Name: wq_budget_epochs wq_budget_epochs_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_budget_epochs
+    ADD CONSTRAINT wq_budget_epochs_pkey PRIMARY KEY (org);
+
+--
+-- Name: wq_budgets wq_budgets_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_budgets
+    ADD CONSTRAINT wq_budgets_pkey PRIMARY KEY (id);
+
+--
+-- Name: wq_charges wq_charges_once; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_charges
+    ADD CONSTRAINT wq_charges_once UNIQUE (run_id, attempt, scope, step_key, outcome, unit, provider);
+
+--
+-- Name: wq_charges wq_charges_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_charges
+    ADD CONSTRAINT wq_charges_pkey PRIMARY KEY (id);
+
+--
 -- Name: wq_emitted_events wq_emitted_events_pkey; Type: CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -3183,6 +3534,13 @@ ALTER TABLE ONLY public.wq_receipts
 
 ALTER TABLE ONLY public.wq_refusals
     ADD CONSTRAINT wq_refusals_pkey PRIMARY KEY (id);
+
+--
+-- Name: wq_reservations wq_reservations_pkey; Type: CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_reservations
+    ADD CONSTRAINT wq_reservations_pkey PRIMARY KEY (run_id, scope, step_key, unit);
 
 --
 -- Name: wq_run_inputs wq_run_inputs_pkey; Type: CONSTRAINT; Schema: public; Owner: -
@@ -3302,6 +3660,30 @@ CREATE UNIQUE INDEX procrastinate_jobs_queueing_lock_idx_v1 ON public.procrastin
 CREATE INDEX procrastinate_periodic_defers_job_id_fkey_v1 ON public.procrastinate_periodic_defers USING btree (job_id);
 
 --
+-- Name: wq_budgets_org_play_unit_key; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX wq_budgets_org_play_unit_key ON public.wq_budgets USING btree (org, play, unit) WHERE (run_id IS NULL);
+
+--
+-- Name: wq_budgets_run_unit_key; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE UNIQUE INDEX wq_budgets_run_unit_key ON public.wq_budgets USING btree (run_id, unit) WHERE (run_id IS NOT NULL);
+
+--
+-- Name: wq_charges_org_at_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_charges_org_at_idx ON public.wq_charges USING btree (org, charged_at);
+
+--
+-- Name: wq_charges_run_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_charges_run_idx ON public.wq_charges USING btree (run_id);
+
+--
 -- Name: wq_emitted_events_at_idx; Type: INDEX; Schema: public; Owner: -
 --
 
@@ -3384,6 +3766,12 @@ CREATE INDEX wq_receipts_owner_idx ON public.wq_receipts USING btree (owner_run)
 --
 
 CREATE INDEX wq_refusals_at_idx ON public.wq_refusals USING btree (at);
+
+--
+-- Name: wq_reservations_org_unit_idx; Type: INDEX; Schema: public; Owner: -
+--
+
+CREATE INDEX wq_reservations_org_unit_idx ON public.wq_reservations USING btree (org, unit);
 
 --
 -- Name: wq_runs_children_unfinished_idx; Type: INDEX; Schema: public; Owner: -
@@ -3601,6 +3989,13 @@ ALTER TABLE ONLY public.wq_attempts
     ADD CONSTRAINT wq_attempts_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
 
 --
+-- Name: wq_budgets wq_budgets_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_budgets
+    ADD CONSTRAINT wq_budgets_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
+
+--
 -- Name: wq_events wq_events_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
 --
 
@@ -3634,6 +4029,13 @@ ALTER TABLE ONLY public.wq_limit_holds
 
 ALTER TABLE ONLY public.wq_progress
     ADD CONSTRAINT wq_progress_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
+
+--
+-- Name: wq_reservations wq_reservations_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -
+--
+
+ALTER TABLE ONLY public.wq_reservations
+    ADD CONSTRAINT wq_reservations_run_id_fkey FOREIGN KEY (run_id) REFERENCES public.wq_runs(id) ON DELETE CASCADE;
 
 --
 -- Name: wq_run_inputs wq_run_inputs_run_id_fkey; Type: FK CONSTRAINT; Schema: public; Owner: -

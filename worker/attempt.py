@@ -28,7 +28,7 @@ from typing import Any
 import psycopg
 import structlog
 
-from queues import outcomes, runs, tracing
+from queues import costs, outcomes, runs, tracing
 from queues.authority import AttemptTokens
 from queues.errors import FenceError
 from queues.outcomes import Finish, FinishStatus
@@ -241,6 +241,17 @@ async def _write_final(
     if event is None:
         return await write(final)
     assert c.attempt is not None and c.org and c.created_at
+    epoch = costs.paused_epoch(event)
+    if epoch is not None:
+        # Paused on a budget: written only while no budget of the org was written since the
+        # refusal; otherwise the run goes straight back to ask again.
+        async with connection() as conn:
+            paused = await costs.pause(
+                conn, worker_id=worker_id, finish_=final, org=c.org, epoch=epoch
+            )
+        if paused is None:
+            return await write(outcomes.handed_back(c.run_id, c.attempt))
+        return paused
     async with connection() as conn:
         emitted, status = await runs.suspend_for_event(
             conn,

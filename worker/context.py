@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 
 import structlog
 
-from queues import calls, fields, receipts, runs, sheets
+from queues import calls, costs, fields, receipts, runs, sheets
 from queues.fence import Fence
 from worker.contract import Transport, WireSender, typed
+from worker.endings import Suspend
 from worker.sheet import Sheet
 from worker.steps import Steps
 from worker.waits import (
@@ -34,7 +35,6 @@ from worker.waits import (
     ChildFailed,
     EventResult,
     Permit,
-    Suspend,
     Waits,
     WaitTimedOut,
     check_event_name,
@@ -197,15 +197,53 @@ class RunContext:
         *args: Any,
         scope: str | None = None,
         limit: str | None = None,
+        cost: float | Mapping[str, float] | None = None,
     ) -> Any:
         """Run ``fn(*args)`` at most once to completion per scope; replay its result.
 
         A coroutine function is awaited on the event loop; any other callable runs in a
         worker thread (so blocking code never stalls the loop or its heartbeats). With
         ``limit``, the body runs holding a permit of that shared limit (:meth:`limit`); a
-        replayed step takes none.
+        replayed step takes none. With ``cost`` (an estimate: credits, or ``{unit:
+        amount}``), the estimate is reserved against the run's budgets before the body
+        runs; a budget it does not fit in pauses the run (:mod:`queues.costs`). What the
+        body says it cost (:meth:`charge`) is recorded with the step's receipt.
         """
-        return await self._steps.step(name, fn, args, scope=scope, limit=limit, hold=self.limit)
+        return await self._steps.step(
+            name, fn, args, scope=scope, limit=limit, hold=self.limit, cost=cost
+        )
+
+    def charge(
+        self,
+        amount: float,
+        unit: str = costs.DEFAULT_UNIT,
+        *,
+        provider: str | None = None,
+        step: str | None = None,
+        scope: str | None = None,
+    ) -> None:
+        """Say what a paid call cost: ``amount`` of ``unit`` from ``provider``. Inside a
+        step's body (:meth:`step`), it is recorded with that step's receipt, by the same
+        write: once, never again when the step replays, and not at all if the attempt turns
+        out stale. For a row of a rows page, name the row's step key (``step=``): it is
+        recorded with the page that completes that row (:meth:`complete_steps`). Elsewhere
+        it raises ``ChargeOutsideStep``. A charge counts against every budget of the run in
+        its unit."""
+        self._steps.charge(costs.Charge.checked(amount, unit, provider), step=step, scope=scope)
+
+    async def reserve_steps(
+        self,
+        keys: Sequence[str],
+        *,
+        cost: float | Mapping[str, float],
+        scope: str | None = None,
+    ) -> list[str]:
+        """Reserve the estimate ``cost`` for each row step of ``keys`` (a page, before its
+        paid calls) against the run's budgets: returns the keys that may run, in order (all,
+        or as many as the budgets have room for). When none fits the run pauses (a budget
+        is spent: it resumes when the budget is raised or its period rolls over) or waits
+        for the reservations of other steps in flight."""
+        return await self._steps.reserve_page(keys, cost, scope)
 
     async def skip(self, name: str, *, scope: str | None = None) -> bool:
         """Record that the play decided not to execute step ``name``: later attempts replay
@@ -320,12 +358,14 @@ class RunContext:
         timeout: float | None = None,
         start_by: datetime | float | str | None = None,
         meta: Mapping[str, Any] | None = None,
+        budget: float | Mapping[str, Any] | None = None,
     ) -> uuid.UUID:
         """Admit a child run of ``play`` with ``params``, atomically with this step (named
         ``key``, default ``$spawn:<play>``, ordinal-suffixed like any step): a retry of
         this run replays the step and gets the same child; it never spawns a second. The
         child runs on this run's lane and release, in its org, with its own options (the
-        lane's policy otherwise). Returns the child's run id."""
+        lane's policy otherwise; ``budget``: its own budget, as ``Submission.budget``).
+        Returns the child's run id."""
         return await self._waits.spawn(
             play,
             params,
@@ -336,6 +376,7 @@ class RunContext:
             timeout=timeout,
             start_by=start_by,
             meta=meta,
+            budget=budget,
         )
 
     async def wait_for_run(self, run_id: uuid.UUID | str, *, timeout: float | None = None) -> Any:

@@ -30,6 +30,19 @@ class Fatal(Exception):
     """Raised by a play for a failure that retrying cannot fix (bad params, 4xx)."""
 
 
+class Suspend(BaseException):
+    """Raised inside a play to leave the worker durably (sleep, event wait, a budget's
+    pause): until ``wake_at``, or until ``event`` wakes it.
+
+    A BaseException so that a play's ``except Exception`` cannot swallow it.
+    """
+
+    def __init__(self, wake_at: datetime | None, event: str | None = None) -> None:
+        super().__init__(wake_at, event)
+        self.wake_at = wake_at
+        self.event = event
+
+
 def budget(c: runs.Claimed) -> outcomes.Budget:
     """What the run has spent of its retries and interruptions before this attempt."""
     return outcomes.Budget(

@@ -121,6 +121,15 @@ def _counters(t: totals.Totals) -> Iterator[Metric]:
     interruptions.add_metric(["database"], t.interruptions)
     interruptions.add_metric(["worker"], t.lease_rescues)
     yield interruptions
+    charged = CounterMetricFamily(
+        "wq_charged",
+        "What paid steps cost, recorded once with their receipts, by org, play, provider "
+        "(empty: none named) and unit (cluster-wide total).",
+        labels=["org", "play", "provider", "unit"],
+    )
+    for labels, spent in sorted(t.charged.items()):
+        charged.add_metric(list(labels), float(spent))
+    yield charged
 
 
 def _gauges(found: metrics.Metrics, t: totals.Totals) -> Iterator[Metric]:
@@ -132,6 +141,11 @@ def _gauges(found: metrics.Metrics, t: totals.Totals) -> Iterator[Metric]:
         ),
         ("wq_lane_running", "Running runs.", lambda m: m.running),
         ("wq_lane_sleeping", "Sleeping runs (a sleep or an event wait).", lambda m: m.sleeping),
+        (
+            "wq_lane_budget_paused",
+            "Sleeping runs paused with BUDGET_EXHAUSTED (a budget had no room for a step).",
+            lambda m: m.budget_paused,
+        ),
         ("wq_lane_due_jobs", "Jobs due now and not yet claimed.", lambda m: m.due_jobs),
         (
             "wq_lane_oldest_due_wait_seconds",

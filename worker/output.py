@@ -27,6 +27,13 @@ def exit_code_of(state: str) -> int:
     return int(EXIT_BY_STATE.get(state, ExitCode.NOT_FINISHED))
 
 
+def amount(value: Decimal) -> str:
+    """An amount of money or credits as printed: no exponent, no trailing zeros (``1``,
+    ``0.002``, ``12.5``)."""
+    text = f"{value:f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def iso(value: datetime | None) -> str | None:
     """A timestamp as ISO 8601 (what every command prints, text or JSON)."""
     return None if value is None else value.isoformat()

@@ -19,7 +19,7 @@ from typing import Any
 from queues import calls, children, fields, limits, receipts, runs
 from queues.errors import InvalidField
 from queues.options import RunOptions
-from worker.endings import Fatal
+from worker.endings import Fatal, Suspend
 from worker.steps import Run, Steps
 
 EVENT_NAME_MAX = 200
@@ -29,18 +29,6 @@ EVENT_NAME_MAX = 200
 HAND_BACK_AFTER_S = 30.0
 LIMIT_BUSY_POLL_S = 0.05  # a limit at its concurrency cap is asked again after this, ...
 LIMIT_BUSY_MAX_S = 1.0  # ... doubling up to this
-
-
-class Suspend(BaseException):
-    """Raised inside a play to leave the worker durably (sleep or event wait).
-
-    A BaseException so that a play's ``except Exception`` cannot swallow it.
-    """
-
-    def __init__(self, wake_at: datetime | None, event: str | None = None) -> None:
-        super().__init__(wake_at, event)
-        self.wake_at = wake_at
-        self.event = event
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,12 +203,18 @@ class Waits:
         timeout: float | None = None,
         start_by: datetime | float | str | None = None,
         meta: Mapping[str, Any] | None = None,
+        budget: float | Mapping[str, Any] | None = None,
     ) -> uuid.UUID:
         """``ctx.spawn``: the child is admitted atomically with its step."""
         fields.play_name(play)
         fields.priority(priority)
         options = RunOptions.checked(
-            max_attempts=max_attempts, retry=retry, timeout=timeout, start_by=start_by, meta=meta
+            max_attempts=max_attempts,
+            retry=retry,
+            timeout=timeout,
+            start_by=start_by,
+            meta=meta,
+            budget=budget,
         )
         ref = self._steps.ref(key or f"$spawn:{play}", None)
         spawned: children.Spawned = await self._run(

@@ -1,11 +1,13 @@
 -- name: metrics_lanes :many
--- Per lane: runs by state, due waiting jobs, live workers, oldest due wait (read only).
+-- Per lane: runs by state (and the sleeping ones paused on a budget, queues.costs), due waiting jobs, live workers, oldest due wait (read only).
 -- Bounded by the unfinished-runs partial index and the lane's todo-jobs index.
 SELECT l.name AS lane,
        l.state::text AS lane_state,
        count(r.id) FILTER (WHERE r.state = 'queued') AS queued,
        count(r.id) FILTER (WHERE r.state = 'running') AS running,
        count(r.id) FILTER (WHERE r.state = 'sleeping') AS sleeping,
+       count(r.id) FILTER (WHERE r.state = 'sleeping'
+                             AND starts_with(r.wait_event, '$budget:')) AS budget_paused,
        (SELECT count(*) FROM wq_transport_jobs() j
          WHERE j.lane = l.name AND j.waiting
            AND (j.scheduled_at IS NULL

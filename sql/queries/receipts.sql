@@ -6,6 +6,9 @@
 --   2. then wq_receipts rows, in primary-key order (org, play, scope, step_key).
 --   3. then the run's ledger seq lock, for receipt_finish's step_failed event (a
 --      transaction advisory lock, sql/migrations/0010).
+--   4. then, when the write records charges, the budgets that apply to the run FOR UPDATE
+--      in id order (wq_budget_charge, migration 0040: the lock order of
+--      sql/queries/costs.sql), and the step's own reservation rows.
 -- A lease rescue or a new claim is an UPDATE of the wq_runs row, which conflicts with FOR
 -- SHARE: a claim waits for a receipt write in flight; a rescue skips the locked run (SKIP
 -- LOCKED) and rescues it at its next pass; a receipt write that queues behind either
@@ -119,11 +122,20 @@ LEFT JOIN run ON true
 LEFT JOIN lazy_commit ON true
 
 -- name: receipt_finish :one
--- Record the outcome of a step this attempt holds (completed, failed, skipped); fenced.
-WITH run AS (
+-- Record the outcome of a step this attempt holds (completed, failed, skipped), with its
+-- charges; fenced. The step's reservation is released and its charges added to its run's
+-- budgets (sql/queries/costs.sql) by this statement too.
+WITH checked AS (
+    -- The charges by the rules of queues.costs (WQ010: nothing is written); none to check
+    -- for most steps.
+    SELECT CASE WHEN cardinality(%(charge_units)s::text[]) = 0 THEN true
+                ELSE wq_cost_check(%(charge_units)s::text[], %(charge_amounts)s::numeric[],
+                                   %(charge_providers)s::text[], 'charges') END AS ok
+),
+run AS (
     SELECT id, attempt, state, lease_owner, org, play
     FROM wq_runs
-    WHERE id = %(run_id)s
+    WHERE id = %(run_id)s AND (SELECT ok FROM checked)
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
@@ -163,9 +175,38 @@ step_failed AS (
                'error', %(error)s::jsonb))
     FROM finished
     WHERE %(status)s::wq_receipt_status = 'failed'
+),
+charged AS (
+    -- The step's charges, recorded once: only with the receipt this statement settled.
+    INSERT INTO wq_charges
+        (run_id, attempt, org, play, scope, step_key, outcome, unit, provider, amount,
+         charged_at)
+    SELECT %(run_id)s, %(attempt)s, %(org)s, %(play)s, %(scope)s, finished.step_key,
+           CASE WHEN %(status)s::wq_receipt_status = 'failed' THEN 'failed'
+                ELSE 'completed' END,
+           c.unit, c.provider, c.amount, coalesce(%(now)s::timestamptz, now())
+    FROM finished
+    CROSS JOIN unnest(%(charge_units)s::text[], %(charge_providers)s::text[],
+                      %(charge_amounts)s::numeric[]) AS c (unit, provider, amount)
+    RETURNING unit, amount
+),
+released AS (
+    -- The step's reservation (this attempt's), released: its charges replace it.
+    DELETE FROM wq_reservations v
+    USING fence
+    WHERE v.run_id = fence.id AND v.scope = %(scope)s AND v.step_key = %(step_key)s
+      AND v.attempt = %(attempt)s
+),
+counted AS (
+    -- The charges added to the run's budgets, under their row locks (only with charges).
+    SELECT wq_budget_charge(%(run_id)s, %(org)s, %(play)s, array_agg(unit), array_agg(amount),
+                            coalesce(%(now)s::timestamptz, now())) AS spent
+    FROM charged
+    HAVING count(*) > 0
 )
 SELECT
     EXISTS (SELECT 1 FROM finished) AS written,
+    coalesce((SELECT spent FROM counted), false) AS budget_spent,
     -- Whether the fence held: an unwritten finish under it, of a receipt this attempt
     -- already settled the same way, is a repeat of its own write whose answer was lost.
     EXISTS (SELECT 1 FROM fence) AS fenced,
@@ -182,11 +223,20 @@ LEFT JOIN wq_receipts AS cur
    AND cur.step_key = %(step_key)s
 
 -- name: receipt_complete_many :one
--- Claim-and-complete a page of step keys in one statement, keeping settled ones; fenced.
-WITH run AS (
+-- Claim-and-complete a page of step keys in one statement, keeping settled ones, with the
+-- charges of the keys it completes; fenced. The page's reservations are released and its
+-- charges added to its run's budgets (sql/queries/costs.sql) by this statement too.
+WITH checked AS (
+    -- The charges by the rules of queues.costs (WQ010: nothing is written); none to check
+    -- for most pages.
+    SELECT CASE WHEN cardinality(%(charge_units)s::text[]) = 0 THEN true
+                ELSE wq_cost_check(%(charge_units)s::text[], %(charge_amounts)s::numeric[],
+                                   %(charge_providers)s::text[], 'charges') END AS ok
+),
+run AS (
     SELECT id, attempt, state, lease_owner, org, play
     FROM wq_runs
-    WHERE id = %(run_id)s
+    WHERE id = %(run_id)s AND (SELECT ok FROM checked)
     FOR SHARE  -- lock 1; a locking read yields the newest row version, even after a wait
 ),
 fence AS (
@@ -248,9 +298,37 @@ written AS (
     RETURNING r.step_key, r.status,
               (r.status = 'completed' AND r.owner_run = %(run_id)s
                AND r.owner_attempt = %(attempt)s) AS mine
+),
+charged AS (
+    -- The charges of the keys this statement completed, recorded once: only with them.
+    INSERT INTO wq_charges
+        (run_id, attempt, org, play, scope, step_key, outcome, unit, provider, amount,
+         charged_at)
+    SELECT %(run_id)s, %(attempt)s, %(org)s, %(play)s, %(scope)s, c.step_key, 'completed',
+           c.unit, c.provider, c.amount, coalesce(%(now)s::timestamptz, now())
+    FROM unnest(%(charge_keys)s::text[], %(charge_units)s::text[],
+                %(charge_providers)s::text[], %(charge_amounts)s::numeric[])
+         AS c (step_key, unit, provider, amount)
+    JOIN written w ON w.step_key = c.step_key AND w.mine
+    RETURNING unit, amount
+),
+released AS (
+    -- The page's reservations (this attempt's), released: its charges replace them.
+    DELETE FROM wq_reservations v
+    USING fence
+    WHERE v.run_id = fence.id AND v.scope = %(scope)s AND v.step_key = ANY (%(keys)s::text[])
+      AND v.attempt = %(attempt)s
+),
+counted AS (
+    -- The charges added to the run's budgets, under their row locks (only with charges).
+    SELECT wq_budget_charge(%(run_id)s, %(org)s, %(play)s, array_agg(unit), array_agg(amount),
+                            coalesce(%(now)s::timestamptz, now())) AS spent
+    FROM charged
+    HAVING count(*) > 0
 )
 SELECT
     EXISTS (SELECT 1 FROM fence) AS fenced,
+    coalesce((SELECT spent FROM counted), false) AS budget_spent,
     run.attempt AS run_attempt,
     run.state::text AS run_state,
     ARRAY(SELECT step_key FROM written WHERE mine ORDER BY step_key) AS completed,

@@ -475,7 +475,10 @@ SELECT (SELECT state::text FROM target) AS before,
 SELECT id, org, play, params, release, lane, idempotency_key, state::text, attempt,
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
        cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
-       started_at, finished_at
+       started_at, finished_at,
+       -- A run paused on a budget waits for $budget:<epoch> (queues.costs.wait_reason).
+       CASE WHEN state = 'sleeping' AND starts_with(wait_event, '$budget:')
+            THEN 'BUDGET_EXHAUSTED' END AS wait_reason
   FROM wq_runs
  WHERE id = %(run_id)s;
 
@@ -484,7 +487,10 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
 SELECT id, org, play, params, release, lane, idempotency_key, state::text, attempt,
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
        cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
-       started_at, finished_at
+       started_at, finished_at,
+       -- A run paused on a budget waits for $budget:<epoch> (queues.costs.wait_reason).
+       CASE WHEN state = 'sleeping' AND starts_with(wait_event, '$budget:')
+            THEN 'BUDGET_EXHAUSTED' END AS wait_reason
   FROM wq_runs
  WHERE (%(state)s::text IS NULL OR state::text = %(state)s)
    AND (%(lane)s::text IS NULL OR lane = %(lane)s)

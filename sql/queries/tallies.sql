@@ -37,3 +37,12 @@ SELECT count(DISTINCT w.id)
   JOIN wq_lanes l ON l.name = ANY (w.lanes)
  WHERE w.stopped_at IS NULL
    AND w.heartbeat_at > coalesce(%(now)s::timestamptz, now()) - make_interval(secs => l.lease_ttl_s);
+
+-- name: metrics_charged :many
+-- What the recorded charges add up to per org, play, provider ('' for none) and unit. A
+-- charge is written once with its step's receipt and never updated or deleted, so each
+-- sum only grows. Scans wq_charges: run it per scrape, never per request.
+SELECT org, play, provider, unit, sum(amount) AS amount
+  FROM wq_charges
+ GROUP BY org, play, provider, unit
+ ORDER BY org, play, provider, unit;

@@ -8,11 +8,11 @@ through connections of their own opened from ``ZOMBIE_DB_URL``, never the worker
 fenced writes (sheet rows, step receipts, the final write) go through the run context.
 
 The ``zombie`` play admits ``rows`` rows to a sheet under the run's stable write intent,
-records a step (``enrich``) and one row step per row (``complete_steps``), completes the
-rows and returns; every output carries the writing attempt (``by``, ``writer``) so a
-late write of attempt 1 would be visible. ``params["point"]`` picks where attempt 1 meets
-the test (a *rendezvous*: it writes the mark ``<point>`` and waits until the test
-releases it; attempt 2 never stops there):
+records a step (``enrich``) and one row step per row (``complete_steps``), each charging
+1 credit (``ctx.charge``), completes the rows and returns; every output carries the
+writing attempt (``by``, ``writer``) so a late write of attempt 1 would be visible.
+``params["point"]`` picks where attempt 1 meets the test (a *rendezvous*: it writes the
+mark ``<point>`` and waits until the test releases it; attempt 2 never stops there):
 
 - ``step``: inside the body of the ``enrich`` step;
 - ``receipts``: after the step receipts were recorded, before the rows are completed;
@@ -248,6 +248,7 @@ async def zombie(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     ]
 
     async def enrich() -> dict[str, Any]:
+        ctx.charge(1, provider="zombie")  # recorded only with the receipt of this attempt
         if point == "step":
             await rendezvous(ctx, "step")
         return {"by": ctx.attempt}
@@ -256,6 +257,8 @@ async def zombie(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
     keys = [f"row:{key}" for key in open_keys]
     done = await ctx.steps_done(keys)
     fresh = [(k, {"v": k, "by": ctx.attempt}) for k in keys if k not in done]
+    for k, _ in fresh:
+        ctx.charge(1, provider="zombie", step=k)
     if fresh:
         await ctx.complete_steps(fresh)
     scores = {**done, **dict(fresh)}

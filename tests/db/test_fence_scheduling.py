@@ -1,5 +1,5 @@
-"""The write paths of issue 14 against the state a real rescue leaves: child spawns and
-rate-limit permits (queues/fence.py's table).
+"""The write paths of issue 14 against the state a real rescue leaves: child spawns,
+rate-limit permits and budget reservations (queues/fence.py's table).
 
 Each test makes attempt 1 stale the way production does (the recovery pass closes it after
 its lease lapsed, a second worker claims the run as attempt 2: tests/attempts.py), then
@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from queues import children, limits
+from queues import children, costs, limits
 from queues.errors import StaleAttempt
 from queues.fence import Fence
 from queues.options import RunOptions
@@ -206,8 +206,16 @@ async def release(conn: Conn, live: Attempt, fence: Fence) -> None:
         raise AssertionError("fenced, but released nothing: the fence let it through")
 
 
+async def reserve(conn: Conn, live: Attempt, fence: Fence) -> None:
+    await costs.set_budget(conn, org=ORG, limit=10)
+    await costs.reserve(
+        conn, fence=fence, scope=f"run:{live.run_id}", keys=["k"], estimate={"credits": 1}
+    )
+
+
 PREDICATE_WRITES = {"child_spawn": (spawn_direct, "spawn"), "limit_acquire": (acquire, "limit")}
 PREDICATE_WRITES["limit_release"] = (release, "limit")
+PREDICATE_WRITES["budget_reserve"] = (reserve, "budget")
 
 
 @pytest.mark.parametrize("predicate", ["attempt", "owner"])
@@ -227,6 +235,7 @@ async def test_one_stale_predicate_refuses_the_write(conn: Conn, name: str, pred
         live.fence.owner,
     )
     assert await _count(conn, "SELECT count(*) FROM wq_runs WHERE parent_id = %s", live.run_id) == 0
+    assert await _count(conn, "SELECT count(*) FROM wq_reservations") == 0
 
 
 @pytest.mark.parametrize("predicate", ["attempt", "owner"])

@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import limits, operations, runs
+from queues import costs, limits, operations, runs
 from queues.errors import StaleAttempt
 from tests.db.test_operations import claims_of
 
@@ -83,6 +83,38 @@ async def test_a_page_of_receipts_sent_again_is_already_there(conn: Conn) -> Non
     )
     assert first == {"completed": ["row:a", "row:b"], "already": [], "busy": []}
     assert again == {"completed": [], "already": ["row:a", "row:b"], "busy": []}
+
+
+async def test_charges_sent_again_are_recorded_once(conn: Conn) -> None:
+    claims = await claims_of(conn)
+    await costs.set_budget(conn, org=claims.org, limit=100)
+    charge = [{"amount": 2, "unit": "credits", "provider": "clearbit"}]
+    await twice(
+        conn, claims, "runtime_receipt_record", {"stepKey": "r", "result": 1, "charges": charge}
+    )
+    await twice(conn, claims, "runtime_receipt_claim", {"stepKey": "c"})
+    await twice(
+        conn, claims, "runtime_receipt_complete", {"stepKey": "c", "result": 1, "charges": charge}
+    )
+    await twice(conn, claims, "runtime_receipt_claim", {"stepKey": "f"})
+    failed = {"stepKey": "f", "error": {"type": "X"}, "charges": charge}
+    await twice(conn, claims, "runtime_receipt_fail", failed)
+    page = {"results": [["row:a", 1]], "charges": [{"stepKey": "row:a", "amount": 2}]}
+    await twice(conn, claims, "runtime_receipts_complete", page)
+    sql = "SELECT count(*) FROM wq_charges WHERE run_id = %s"
+    assert await count(conn, sql, claims.run_id) == 4
+    (shown,) = await costs.list_budgets(conn, org=claims.org)
+    assert shown.spent == 8  # each charge counted once against the budget too
+
+
+async def test_a_reservation_asked_again_holds_the_estimate_once(conn: Conn) -> None:
+    claims = await claims_of(conn)
+    await costs.set_budget(conn, org=claims.org, limit=10)
+    asked = {"keys": ["k1", "k2"], "estimate": {"credits": 4}}
+    first, again = await twice(conn, claims, "runtime_budget_reserve", asked)
+    assert first == again and first["granted"] == 2
+    (shown,) = await costs.list_budgets(conn, org=claims.org)
+    assert shown.reserved == 8
 
 
 async def test_a_child_spawned_again_is_the_same_child(conn: Conn) -> None:

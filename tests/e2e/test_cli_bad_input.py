@@ -202,6 +202,8 @@ CASES = [
         "FIELD_INVALID",
     ),
     Case("submit-meta-not-object", ("submit", "noop", "--meta", "[1]"), "FIELD_INVALID"),
+    Case("submit-budget-negative", ("submit", "noop", "--budget", "-5"), "FIELD_INVALID"),
+    Case("submit-budget-period", ("submit", "noop", "--budget", "5:usd:week"), "FIELD_INVALID"),
     Case("submit-priority-text", ("submit", "noop", "--priority", "high"), "FIELD_INVALID"),
     Case("limit-without-rate-or-cap", ("limits", "set", "api"), "FIELD_INVALID"),
     Case("limit-bad-rate", ("limits", "set", "api", "--rate", "10/x"), "FIELD_INVALID"),

@@ -15,7 +15,7 @@ import httpx
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
-from queues import lanes, outcomes, runs
+from queues import costs, lanes, outcomes, runs
 from tests import attempts, ledgers
 from tests.e2e.test_cli_scheduler import REPO, WORKER, cli, cli_env, worker_process
 from tests.workers import fetch
@@ -87,6 +87,22 @@ async def test_set_policy_changes_the_lane_and_records_who(db_url: str) -> None:
     ]
     missing = await cli(db_url, "queues", "set-policy", "nowhere", "--concurrency", "2")
     assert missing.code != 0 and "error[LANE_NOT_PREPARED]" in missing.err
+
+
+async def test_submit_with_a_budget_writes_the_runs_own_budget(db_url: str) -> None:
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        await lanes.prepare(conn, "t")
+    done = await cli(db_url, "submit", "noop", "--release", "t", "--budget", "5:usd:day", "--json")
+    assert done.code == 0, done.err
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as conn:
+        (budget,) = await costs.list_budgets(conn)
+    assert (budget.scope, budget.limit_amount, budget.unit, budget.period) == (
+        "run",
+        5,
+        "usd",
+        "day",
+    )
+    assert str(budget.run_id) in done.out
 
 
 async def test_runs_retry_and_show_with_its_traceback(db_url: str) -> None:

@@ -418,6 +418,8 @@ async def snapshot(db: str | Conn, run_id: uuid.UUID) -> dict[str, list[tuple[An
         "finished_at FROM wq_runs WHERE parent_id = %(id)s ORDER BY created_at, id",
         "holds": "SELECT hold, key, org, attempt, owner, acquired_at "
         "FROM wq_limit_holds WHERE run_id = %(id)s ORDER BY hold",
+        "charges": "SELECT attempt, step_key, outcome, unit, provider, amount "
+        "FROM wq_charges WHERE run_id = %(id)s ORDER BY step_key, attempt",
         # The test's database is its own: every bucket is one of its limits.
         "buckets": "SELECT key, org, tat FROM wq_limit_buckets ORDER BY key, org",
     }
@@ -730,6 +732,11 @@ async def test_zombie_stopped_inside_a_step_body(db_url: str, tmp_path: Path) ->
     result = run_result(z)
     assert result["attempt"] == 2 and result["enriched"] == {"by": 2}
     assert result["completed"] == ROWS and result["terminal"] == 0
+    # A charged the step it was executing; its charge was refused with its receipt: every
+    # charge is B's, one per step (z.after == z.before: A's late write added none).
+    expected = [(2, "enrich", "completed", "credits", "zombie", 1)]
+    expected += [(2, f"row:{k}", "completed", "credits", "zombie", 1) for k in ROW_KEYS]
+    assert z.after["charges"] == expected
 
 
 async def test_zombie_stopped_between_receipts_and_row_completion(

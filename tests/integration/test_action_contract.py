@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import authority, calls, limits, operations, receipts, sheets
+from queues import authority, calls, costs, limits, operations, receipts, sheets
 from queues.authority import LEDGER_PROJECT, Claims
 from queues.errors import RunScope
 from queues.options import RunOptions
@@ -39,17 +39,23 @@ async def script(run: Run, claims: Claims) -> None:
         return receipts.StepRef(claims.org, claims.play, where, key, claims.fence)
 
     own = receipts.Scope.of_run(claims.run_id)
+    paid = (costs.Charge.checked(1, provider="clearbit"), costs.Charge.checked("0.25", "usd"))
     await run(calls.Now())
     await run(calls.InputPage(0))
     await run(calls.ReceiptsSettled(own))
+    await run(calls.BudgetReserve(own, ["a", "b", "c", "row:1", "row:2"], costs.estimate_of(3)))
+    await run(calls.BudgetReserve(own, ["y"], costs.estimate_of({"usd": 1})))  # stays held
     await run(calls.ReceiptClaim(ref("a")))
-    await run(calls.ReceiptComplete(ref("a"), {"x": [1, 2]}))
-    await run(calls.ReceiptRecord(ref("b"), 2))
+    await run(calls.ReceiptComplete(ref("a"), {"x": [1, 2]}, paid))
+    await run(calls.ReceiptRecord(ref("b"), 2, paid[:1]))
     await run(calls.ReceiptClaim(ref("c"), lease_s=45.0))
-    await run(calls.ReceiptFail(ref("c"), {"type": "X", "message": "m"}))
+    await run(calls.ReceiptFail(ref("c"), {"type": "X", "message": "m"}, paid[1:]))
     await run(calls.ReceiptClaim(ref("d", "shared")))
     await run(calls.ReceiptSkip(ref("d", "shared")))
-    await run(calls.ReceiptsComplete(own, [("row:1", 1), ("row:2", {"two": 2})]))
+    await run(calls.BudgetReserve(own, ["row:1", "row:2"], costs.estimate_of({"credits": 2})))
+    rows_paid = {"row:1": list(paid), "row:2": [costs.Charge.checked(7)]}
+    await run(calls.ReceiptsComplete(own, [("row:1", 1), ("row:2", {"two": 2})], rows_paid))
+    await run(calls.BudgetReserve(own, ["e"], costs.estimate_of(1)))  # spent: refused
     await run(calls.ReceiptsLookup(own, ["row:1", "row:2", "row:3"]))
     await run(calls.ReceiptsSettled(receipts.Scope.named("shared")))
     page = [("k1", {"v": 1}), ("k2", {"v": 2})]
@@ -68,7 +74,13 @@ async def script(run: Run, claims: Claims) -> None:
     await run(calls.LimitAcquire(LIMIT, "h1"))
     await run(calls.LimitAcquire(LIMIT, "h2"))  # at its cap: busy
     await run(calls.LimitRelease("h1"))
-    options = RunOptions.checked(max_attempts=2, retry="fixed:1s", timeout=30, meta={"m": 1})
+    options = RunOptions.checked(
+        max_attempts=2,
+        retry="fixed:1s",
+        timeout=30,
+        meta={"m": 1},
+        budget={"limit": 5, "unit": "usd"},
+    )
     spawned = await run(calls.RunSpawn("$spawn:child", "child", {"p": 1}, options, 3))
     await run(calls.RunSpawn("$spawn:child", "child", {"p": 1}, options, 3))  # a replay
     await run(calls.RunGet(spawned.run_id))
@@ -146,6 +158,21 @@ async def rows(conn: Conn, run_id: uuid.UUID, org: str) -> dict[str, Any]:
             "SELECT play, state::text, params, meta FROM wq_runs "
             "WHERE parent_id = %s ORDER BY play",
             run_id,
+        ),
+        "charges": await fetch(
+            "SELECT attempt, scope, step_key, outcome, unit, provider, amount, charged_at "
+            "FROM wq_charges WHERE run_id = %s ORDER BY step_key, outcome, unit, provider",
+            run_id,
+        ),
+        "reservations": await fetch(
+            "SELECT scope, step_key, unit, attempt, amount FROM wq_reservations "
+            "WHERE run_id = %s ORDER BY step_key, unit",
+            run_id,
+        ),
+        "budgets": await fetch(
+            "SELECT unit, limit_amount, spent, run_id IS NULL FROM wq_budgets WHERE org = %s "
+            "ORDER BY unit",
+            org,
         ),
     }
 
@@ -227,6 +254,7 @@ def child_ids(seen: list[tuple[str, Any]]) -> set[str]:
 @pytest.fixture
 async def attempt(conn: Conn) -> attempts.Attempt:
     await limits.set_limit(conn, LIMIT, concurrency=1)
+    await costs.set_budget(conn, org=attempts.ORG, limit=10)
     return await attempts.start(conn)
 
 
@@ -250,7 +278,9 @@ async def test_every_action_answers_and_writes_the_same_on_both_paths(
     assert typed_text == wire_text
     for table in typed_rows:
         assert typed_rows[table] == wire_rows[table], table
-    assert all(typed_rows[table] != "[]" for table in ("receipts", "sheet_rows", "children"))
+    tables = ("receipts", "sheet_rows", "children", "charges", "reservations", "budgets")
+    assert all(typed_rows[table] != "[]" for table in tables)
+    assert "'usd'" in typed_rows["budgets"]  # the child's own budget, from its spawn options
 
     ledger = claims_of(attempt, [LEDGER_PROJECT])
     (typed_ledger, ledger_rows), (wire_ledger, wire_ledger_rows) = await both_paths(

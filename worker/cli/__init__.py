@@ -55,6 +55,8 @@ COMMANDS: dict[str, str] = {
     "token": "tokens:token_group",
     "limits": "scheduling:limits_group",
     "schedules": "scheduling:schedules_group",
+    "costs": "costs:costs_command",
+    "budgets": "costs:budgets_group",
     "dashboard": "ops:dashboard_command",
 }
 

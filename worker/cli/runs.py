@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from queues import children, fields, lanes, migrations, operator, outcomes, runs
+from queues import children, costs, fields, lanes, migrations, operator, outcomes, runs
 from queues import options as run_options
 from queues.errors import ExitCode, InvalidField
 from worker import config, observe
@@ -29,6 +29,7 @@ from worker.cli.common import (
     pass_state,
     run,
 )
+from worker.cli.costs import spent_text
 from worker.cli.ops import retry_command
 from worker.output import printable
 
@@ -239,6 +240,7 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
         ledger = await runs.events(conn, rid)
         own = await run_options.shown(conn, rid)
         kids = await children.list_children(conn, rid) if own and own.children else []
+        spent = await costs.costs(conn, by=("provider",), run_id=rid)
         if as_json:
             emit_json(
                 observe.run_dict(run_)
@@ -255,6 +257,7 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
                         for k in kids
                     ]
                 }
+                | {"costs": [_cost_dict(c) for c in spent]}
                 | {
                     "attempts": [_attempt_dict(a) for a in tries],
                     "events": [
@@ -282,6 +285,10 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
             ("params", json.dumps(run_.params, sort_keys=True)),
         ):
             click.echo(f"  {label + ':':<9} {value}")
+        if run_.wait_reason is not None:
+            click.echo(f"  {'paused:':<9} {run_.wait_reason} ({_paused_fix(run_)})")
+        if spent:
+            click.echo(f"  {'spent:':<9} {spent_text(spent)}")
         for label, value in _option_lines(own):
             click.echo(f"  {label + ':':<9} {printable(value)}")
         if run_.result is not None:
@@ -314,6 +321,18 @@ def runs_show(state: State, run_id: str, as_json: bool) -> None:
         return 0
 
     connected(state, go, config.Purpose.READ)
+
+
+def _cost_dict(cost: costs.Cost) -> dict[str, Any]:
+    found = cost.as_dict()
+    return {key: found[key] for key in ("provider", "unit", "amount", "charges")}
+
+
+def _paused_fix(run_: runs.Run) -> str:
+    return (
+        f"resumes when a budget of org {printable(run_.org)} or of this run has room: "
+        "worker budgets list"
+    )
 
 
 def _option_lines(own: run_options.Shown | None) -> list[tuple[str, str]]:

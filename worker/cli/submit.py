@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from queues import admission, fields, inputs, lanes
+from queues import admission, costs, fields, inputs, lanes
 from queues.errors import InputError, InvalidField, PayloadTooLarge
 from worker import config
 from worker.cli.common import (
@@ -46,6 +46,7 @@ RUN_FLAGS = (
     ("start_by", "start_by", "--start-by"),
     ("priority", "priority", "--priority"),
     ("meta", "meta", "--meta"),
+    ("budget", "budget", "--budget"),
 )
 # The flag that sets each field of a submission, for its refusals (admission.check).
 FLAG_NAMES = {"release": "--release"} | {name: flag for name, _, flag in RUN_FLAGS}
@@ -63,6 +64,7 @@ class RunFlags:
     start_by: str | None = None
     priority: str | None = None
     meta: str | None = None
+    budget: str | None = None
 
     def given(self) -> list[str]:
         """The flags given, as typed, in the order of ``--help``."""
@@ -91,6 +93,7 @@ class RunFlags:
             timeout=self.timeout,
             start_by=self.start_by,
             meta=None if self.meta is None else fields.decode(self.meta, field="--meta"),
+            budget=None if self.budget is None else costs.RunBudget.parse(self.budget),
         )
 
 
@@ -132,12 +135,19 @@ _RUN_FLAG_OPTIONS = (
     click.option(
         "--meta", default=None, metavar="JSON", help="A small JSON object kept with the run."
     ),
+    click.option(
+        "--budget",
+        default=None,
+        metavar="LIMIT[:UNIT[:PERIOD]]",
+        help="The run's own budget: at most LIMIT of UNIT (credits) charged per PERIOD "
+        "(day, month, none: the default); past it the run pauses (BUDGET_EXHAUSTED).",
+    ),
 )
 
 
 def run_flags_option(command: Callable[..., None]) -> Callable[..., None]:
     """The run-option flags (--max-attempts, --retry, --timeout, --start-by, --priority,
-    --meta), handed to ``command`` as one :class:`RunFlags` (its ``run_flags``)."""
+    --meta, --budget), handed to ``command`` as one :class:`RunFlags` (its ``run_flags``)."""
 
     @functools.wraps(command)
     def with_flags(*args: Any, **kwargs: Any) -> None:

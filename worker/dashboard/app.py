@@ -35,10 +35,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from queues import dashboard, fields, operator, outcomes, policy
+from queues import costs, dashboard, fields, operator, outcomes, policy
 from queues.errors import InvalidField, RunNotFound, WorkerError, translate
 from worker import db
 from worker.dashboard import auth, charts
+from worker.output import amount
 
 log = structlog.get_logger("worker.dashboard")
 
@@ -133,6 +134,7 @@ def make_templates() -> Jinja2Templates:
         pretty=_pretty,
         compact=_compact,
         human=fields.human_duration,
+        amount=amount,
     )
     env.globals.update(
         live_interval_ms=LIVE_INTERVAL_MS,
@@ -515,6 +517,32 @@ def make_app(dash: Dashboard) -> Starlette:
         chart = charts.throughput(view.minutes)
         return dash.render(request, "stats.html", {"v": view, "chart": chart})
 
+    async def costs_page(request: Request) -> Response:
+        params = request.query_params
+        problems: list[str] = []
+        org = (params.get("org") or "").strip() or None
+        unit = (params.get("unit") or "").strip() or None
+        try:
+            org = fields.org(org) if org is not None else None
+            unit = costs.check_unit(unit) if unit is not None else None
+        except InvalidField as exc:
+            problems.append(exc.render())
+            org = unit = None
+        async with dash.reader.connection() as conn:
+            view = await dashboard.costs_view(conn, org=org, unit=unit)
+        shown = view.unit or ""
+        return dash.render(
+            request,
+            "costs.html",
+            {
+                "v": view,
+                "org": org or "",
+                "problems": problems,
+                "by_org": charts.spend(view.days, view.by_org, shown, "org"),
+                "by_provider": charts.spend(view.days, view.by_provider, shown, "provider"),
+            },
+        )
+
     async def health(request: Request) -> Response:
         return PlainTextResponse("ok")
 
@@ -537,6 +565,7 @@ def make_app(dash: Dashboard) -> Starlette:
             Route("/lanes/{release}/drain", action(lane_drain), methods=["POST"]),
             Route("/lanes/{release}/reclaim", action(lane_reclaim), methods=["POST"]),
             Route("/stats", page(stats_page)),
+            Route("/costs", page(costs_page)),
             Route("/healthz", health),
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ],

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import date
+from decimal import Decimal
 
 from markupsafe import Markup, escape
 
-from queues.dashboard import Minute
+from queues.dashboard import Minute, Series
+from worker.output import amount
 
 WIDTH = 720
 HEIGHT = 140
@@ -64,3 +67,43 @@ def bar(done: int, total: int, width: int = 240) -> Markup:
         f'height="12" rx="3"/><rect class="fill" x="0" y="0" width="{width * share:.1f}" '
         'height="12" rx="3"/></svg>'
     )
+
+
+def spend(days: Sequence[date], series: Sequence[Series], unit: str, what: str) -> Markup:
+    """Stacked bars per UTC day, one colour per series (an org or a provider, biggest at
+    the bottom), each part titled with its name and amount."""
+    if not series or not days:
+        return Markup("")
+    peak = max(sum((s.by_day.get(d, Decimal(0)) for s in series), Decimal(0)) for d in days)
+    peak = peak or Decimal(1)
+    slot = (WIDTH - PAD) / len(days)
+    bar_w = max(1.0, slot * 0.8)
+    usable = HEIGHT - PAD
+    parts = [
+        f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" height="{HEIGHT}" '
+        f'role="img" aria-label="{escape(unit)} spent per day, per {escape(what)}">',
+        f'<line x1="{PAD}" y1="{usable}" x2="{WIDTH}" y2="{usable}" class="axis"/>',
+        f'<text x="2" y="12" class="tick">{escape(amount(peak))}</text>',
+        f'<text x="2" y="{usable}" class="tick">0</text>',
+    ]
+    for i, day in enumerate(days):
+        x = PAD + i * slot
+        top = float(usable)
+        for n, s in enumerate(series):
+            value = s.by_day.get(day)
+            if not value:
+                continue
+            h = usable * float(value / peak)
+            top -= h
+            label = escape(f"{day:%Y-%m-%d}: {s.name} {amount(value)} {unit}")
+            parts.append(
+                f'<rect class="s{n}" x="{x:.1f}" y="{top:.1f}" width="{bar_w:.1f}" '
+                f'height="{h:.1f}"><title>{label}</title></rect>'
+            )
+    parts.append(f'<text x="{PAD}" y="{HEIGHT - 6}" class="tick">{days[0]:%m-%d}</text>')
+    parts.append(
+        f'<text x="{WIDTH - 2}" y="{HEIGHT - 6}" class="tick" text-anchor="end">'
+        f"{days[-1]:%m-%d} UTC</text>"
+    )
+    parts.append("</svg>")
+    return Markup("".join(parts))
