@@ -57,7 +57,8 @@ NAME_RULE = (
     "up to 100 characters"
 )
 BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"  # a paused run's wait_reason
-WAIT_PREFIX = "$budget:"  # a paused run's wait event: $budget:<the org's epoch>
+# A paused run's wait event: $budget:<the org's epoch> (read in SQL by wq_wait_reason).
+WAIT_PREFIX = "$budget:"
 GROUPS = ("run", "org", "play", "provider", "day")  # what costs() groups by
 
 AsyncConn = psycopg.AsyncConnection[Any]
@@ -505,13 +506,6 @@ def paused_epoch(event: str | None) -> int | None:
         return None
     tail = event[len(WAIT_PREFIX) :]
     return int(tail) if tail.isdigit() else None
-
-
-def wait_reason(state: str, wait_event: str | None) -> str | None:
-    """Why a sleeping run waits, when it is a budget: :data:`BUDGET_EXHAUSTED`."""
-    return (
-        BUDGET_EXHAUSTED if state == "sleeping" and paused_epoch(wait_event) is not None else None
-    )
 
 
 async def pause(

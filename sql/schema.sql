@@ -2543,6 +2543,17 @@ CREATE FUNCTION public.wq_transport_withdraw(p_job_ids bigint[]) RETURNS integer
 $$;
 
 --
+-- Name: wq_wait_reason(public.wq_run_state, text); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_wait_reason(p_state public.wq_run_state, p_wait_event text) RETURNS text
+    LANGUAGE sql IMMUTABLE PARALLEL SAFE
+    AS $_$
+    SELECT CASE WHEN p_state = 'sleeping' AND starts_with(p_wait_event, '$budget:')
+                THEN 'BUDGET_EXHAUSTED' END
+$_$;
+
+--
 -- Name: wq_wake_channel(bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 

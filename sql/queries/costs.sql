@@ -1,4 +1,4 @@
--- Costs (sql/migrations/0040): budgets, a step's reservation, a budget pause's write, the
+-- Costs (sql/migrations/0039): budgets, a step's reservation, a budget pause's write, the
 -- recovery pass's sweep of dead reservations, and the reads of charges.
 --
 -- Charges themselves are written by the statements that settle a step's receipt
@@ -13,7 +13,7 @@
 
 -- name: budget_set_org :one
 -- Define or redefine an org's budget (play '') or an org's play's budget, moving the org's
--- epoch on first (waiting for a pause in flight: migration 0040). A changed period starts
+-- epoch on first (waiting for a pause in flight: migration 0039). A changed period starts
 -- the budget over (spent 0 from the current period); otherwise what it spent stays.
 WITH epoch AS (
     INSERT INTO wq_budget_epochs AS e (org) VALUES (%(org)s)
@@ -94,7 +94,7 @@ WITH waiting AS (
     SELECT r.id, r.lane, wq_transport_next_id() AS job_id
       FROM wq_runs r
      WHERE r.org = %(org)s AND r.state = 'sleeping'
-       AND starts_with(r.wait_event, '$budget:')
+       AND wq_wait_reason(r.state, r.wait_event) = 'BUDGET_EXHAUSTED'
        AND (%(play)s::text IS NULL OR r.play = %(play)s)
        AND (%(run_id)s::uuid IS NULL OR r.id = %(run_id)s)
        AND r.cancel_requested_at IS NULL

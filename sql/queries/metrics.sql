@@ -6,8 +6,8 @@ SELECT l.name AS lane,
        count(r.id) FILTER (WHERE r.state = 'queued') AS queued,
        count(r.id) FILTER (WHERE r.state = 'running') AS running,
        count(r.id) FILTER (WHERE r.state = 'sleeping') AS sleeping,
-       count(r.id) FILTER (WHERE r.state = 'sleeping'
-                             AND starts_with(r.wait_event, '$budget:')) AS budget_paused,
+       count(r.id) FILTER (WHERE wq_wait_reason(r.state, r.wait_event)
+                                 = 'BUDGET_EXHAUSTED') AS budget_paused,
        (SELECT count(*) FROM wq_transport_jobs() j
          WHERE j.lane = l.name AND j.waiting
            AND (j.scheduled_at IS NULL

@@ -7,7 +7,7 @@
 --   3. then the run's ledger seq lock, for receipt_finish's step_failed event (a
 --      transaction advisory lock, sql/migrations/0010).
 --   4. then, when the write records charges, the budgets that apply to the run FOR UPDATE
---      in id order (wq_budget_charge, migration 0040: the lock order of
+--      in id order (wq_budget_charge, migration 0039: the lock order of
 --      sql/queries/costs.sql), and the step's own reservation rows.
 -- A lease rescue or a new claim is an UPDATE of the wq_runs row, which conflicts with FOR
 -- SHARE: a claim waits for a receipt write in flight; a rescue skips the locked run (SKIP

@@ -108,7 +108,7 @@ WITH taken AS (
     RETURNING run_id, attempt, start_seq, cleanup
 ), event AS (
     -- The attempt row stands for its start event (wq_ledger), read from the row written;
-    -- wq_ledger_lifecycle stores it until the ledger's contract step (migration 0039),
+    -- wq_ledger_lifecycle stores it until the ledger's contract step (migration 0040),
     -- then only notifies, delivers and folds it. One row, read by the final SELECT so
     -- that it runs.
     SELECT wq_ledger_lifecycle(array_agg(wq_ledger_event(
@@ -476,9 +476,7 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
        cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
        started_at, finished_at,
-       -- A run paused on a budget waits for $budget:<epoch> (queues.costs.wait_reason).
-       CASE WHEN state = 'sleeping' AND starts_with(wait_event, '$budget:')
-            THEN 'BUDGET_EXHAUSTED' END AS wait_reason
+       wq_wait_reason(state, wait_event) AS wait_reason
   FROM wq_runs
  WHERE id = %(run_id)s;
 
@@ -488,9 +486,7 @@ SELECT id, org, play, params, release, lane, idempotency_key, state::text, attem
        lease_owner, lease_expires_at, job_id, available_at, wait_event, result, error,
        cancel_requested_at, cancel_reason, input_rows, rows_admitted, rows_done, created_at,
        started_at, finished_at,
-       -- A run paused on a budget waits for $budget:<epoch> (queues.costs.wait_reason).
-       CASE WHEN state = 'sleeping' AND starts_with(wait_event, '$budget:')
-            THEN 'BUDGET_EXHAUSTED' END AS wait_reason
+       wq_wait_reason(state, wait_event) AS wait_reason
   FROM wq_runs
  WHERE (%(state)s::text IS NULL OR state::text = %(state)s)
    AND (%(lane)s::text IS NULL OR lane = %(lane)s)

@@ -1,7 +1,7 @@
 """The ledger view (``wq_ledger``) on both sides of its contract step (docs/design.md,
 section 11b).
 
-Before the step (migration 0039) every lifecycle event is written twice: on its state row
+Before the step (migration 0040) every lifecycle event is written twice: on its state row
 (the attempt row, or the run row) and in ``wq_events``; that is the expand release's
 ledger, and the previous release reads ``wq_events`` alone. After it, an event a state
 row stands for is no longer stored. These tests run the lifecycle's scenarios with the
@@ -460,7 +460,7 @@ async def test_the_contract_step_keeps_every_ledger_the_expand_release_wrote(
     made = await _scenarios(conn)
     before = await _ledgers(conn, made, "wq_ledger")
     assert await _held_in_wq_events(conn, made) != []
-    await conn.execute(_migration(39).encode())
+    await conn.execute(_migration(40).encode())
     assert await _ledgers(conn, made, "wq_ledger") == before
     assert await _held_in_wq_events(conn, made) == []
     # Each delivery still names its event, by (run_id, seq), the event as the view shows it.

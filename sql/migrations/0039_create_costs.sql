@@ -102,6 +102,20 @@ BEGIN
 END
 $$;
 
+-- Why a sleeping run waits when the wait is not its own: 'BUDGET_EXHAUSTED' for a run a
+-- spent budget paused (its wait event is $budget:<the org's epoch>, queues.costs), else
+-- NULL. The one rule every reader of a run (runs show, the dashboard, metrics, the wake
+-- of a budget write) goes through.
+CREATE FUNCTION wq_wait_reason(p_state wq_run_state, p_wait_event text)
+RETURNS text
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN p_state = 'sleeping' AND starts_with(p_wait_event, '$budget:')
+                THEN 'BUDGET_EXHAUSTED' END
+$$;
+
 -- ---- budgets ------------------------------------------------------------------------------
 
 -- One budget: an org's (play '' and no run), an org's play's, or one run's (run_id; play
