@@ -51,7 +51,10 @@ class BatchCompleter:
         return future
 
     async def write(self, final: Finish) -> FinishStatus:
-        return await asyncio.shield(self.queue(final))
+        # No shield needed: a cancel of the caller cancels this future, never the write,
+        # which stays in the batch and is made all the same (flush answers only the
+        # futures still waiting).
+        return await self.queue(final)
 
     async def run(self) -> None:
         while True:
