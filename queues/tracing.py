@@ -63,20 +63,41 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
+class _Skipped:
+    """The span of a block with nothing to trace: enters as None, and costs no generator."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+_SKIPPED = _Skipped()
+
+
 def span(
     name: str,
     *,
     attributes: Mapping[str, Any] | None = None,
     parent: Mapping[str, str] | None = None,
-) -> Iterator[Any]:
+) -> contextlib.AbstractContextManager[Any]:
     """A span around the block (the current span's child, or ``parent``'s when a stored W3C
-    carrier is given); yields it, or None without OpenTelemetry or when there is nothing to
-    trace (:func:`_idle`). An exception that leaves the block is recorded on the span and
-    sets its status to error."""
+    carrier is given); enters as it, or as None without OpenTelemetry or when there is
+    nothing to trace (:func:`_idle`). An exception that leaves the block is recorded on the
+    span and sets its status to error."""
     if _trace is None or _propagate is None or (not parent and _idle()):
-        yield None
-        return
+        return _SKIPPED
+    return _recorded(name, attributes, parent)
+
+
+@contextlib.contextmanager
+def _recorded(
+    name: str, attributes: Mapping[str, Any] | None, parent: Mapping[str, str] | None
+) -> Iterator[Any]:
+    assert _trace is not None and _propagate is not None
     context = _propagate.extract(dict(parent)) if parent else None
     tracer = _trace.get_tracer(TRACER_NAME)
     with tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as s:
