@@ -22,6 +22,11 @@ sharing one machine. Each throughput phase also records the CPU time of this pro
 the server per job: on a busy host, wall-clock ratios are noisy, CPU per job is steadier.
 ``--rounds N`` repeats everything on fresh databases and reports the median round.
 
+``--prefetch N`` runs ours in its high-throughput mode (``worker start --prefetch N``: N runs
+claimed ahead into a local queue); ``--phases`` runs only some phases, e.g. the drain of
+that mode alone, with the CPU our worker and the server spend per run:
+``--systems ours --prefetch 300 --concurrency 10 --runs 20000 --phases drain_alone_analyzed``.
+
 Run: ``.venv/bin/python -m bench.throughput [--runs 5000] [--latency-samples 300]
 [--concurrency 16]``. Results: a table on stdout and a results file under ``bench/results/``
 (:mod:`bench.results`).
@@ -55,6 +60,7 @@ from bench.common import (
     create_database,
     drop_database,
     ms_percentiles,
+    names_of,
     percentile,
     quiet_logging,
     run_on_throwaway_server,
@@ -64,7 +70,7 @@ from bench.results import metric, summary
 from queues import admission, lanes, migrations
 from worker import embedded
 from worker.demo import demo_plays
-from worker.runtime import POLL_INTERVAL_S, Settings, Worker
+from worker.runtime import POLL_INTERVAL_S, PREFETCH_MAX, Settings, Worker
 
 RELEASE = "bench"
 PROCRASTINATE_QUEUE = "bench"
@@ -108,6 +114,7 @@ class System(ABC):
     url: str
     concurrency: int
     submitters: int
+    prefetch: int = 0  # ours: runs claimed ahead (its high-throughput mode); 0: its default
     stats: dict[str, Any] = field(default_factory=dict)
 
     @abstractmethod
@@ -170,6 +177,7 @@ class Ours(System):
                 release=RELEASE,
                 registry=demo_plays,
                 concurrency=self.concurrency,
+                prefetch=self.prefetch,
                 grace_s=10.0,
                 install_signals=False,
             )
@@ -568,15 +576,20 @@ async def stat_counts(url: str) -> dict[str, Any]:
 Step = Callable[[Ctx], Awaitable[dict[str, Any]]]
 
 
+STEPS = (*(phase for phase, _ in PHASES), "latency")
+
+
 def steps(args: argparse.Namespace) -> list[tuple[str, Step]]:
+    """The phases of a round, those of ``--phases`` only, in their order."""
     n = args.runs
-    return [
+    every: list[tuple[str, Step]] = [
         ("submit_drain_cold", lambda c: submit_then_drain(c, n, analyzed=False)),
         ("drain_alone_cold", lambda c: drain_alone(c, n, analyzed=False)),
         ("submit_drain_analyzed", lambda c: submit_then_drain(c, n, analyzed=True)),
         ("drain_alone_analyzed", lambda c: drain_alone(c, n, analyzed=True)),
         ("latency", lambda c: pickup_latency(c, args.latency_samples)),
     ]
+    return [(phase, step) for phase, step in every if phase in args.phases]
 
 
 async def run_round(
@@ -594,7 +607,8 @@ async def run_round(
             db = f"bench_{name}_{os.getpid()}_{round_no}"
             names.append(db)
             url = await create_database(admin_url, db)
-            systems[name] = cls(name, url, args.concurrency, args.submitters)
+            prefetch = args.prefetch if name == "ours" else 0
+            systems[name] = cls(name, url, args.concurrency, args.submitters, prefetch)
             await systems[name].setup()
             polls[name] = await connect(url)
             results[name] = {}
@@ -818,11 +832,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="quiet: WARNING+; info: render every INFO line to /dev/null",
     )
     add_systems(parser, SYSTEMS)
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=0,
+        help="ours in its high-throughput mode: runs claimed ahead (worker start --prefetch)",
+    )
+    parser.add_argument(
+        "--phases",
+        type=names_of(STEPS, "phases", ordered=True),
+        default=list(STEPS),
+        help=f"comma-separated subset of {','.join(STEPS)} (all by default)",
+    )
     add_out(parser)
     parser.add_argument("--timeout", type=float, default=900, help="overall limit in seconds")
     args = parser.parse_args(argv)
     if min(args.runs, args.latency_samples, args.concurrency, args.submitters) < 1:
         parser.error("counts must be positive")
+    if not 0 <= args.prefetch <= PREFETCH_MAX:
+        parser.error(f"--prefetch must be from 0 to {PREFETCH_MAX}")
     return args
 
 
@@ -836,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "logs": args.logs,
         "systems": args.systems,
+        "prefetch": args.prefetch,
+        "phases": args.phases,
         "completion_poll_s": POLL_S,
         "latency_spacing_s": LATENCY_SPACING_S,
         "worker_poll_interval_s": POLL_INTERVAL_S,

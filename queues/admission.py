@@ -40,7 +40,7 @@ from queues.errors import (
 )
 from queues.inputs import InputPages
 from queues.options import RunOptions
-from queues.queries import one_statement, q
+from queues.queries import json_text, one_statement, q
 
 if TYPE_CHECKING:
     from psycopg_pool import AsyncConnectionPool
@@ -333,7 +333,7 @@ def _authorities(
     JSON text made once per (org, play, release) of the batch."""
     stored = check_authority(authority) | tracing.stored_context()
     texts = Descriptor.stored_texts([(s.org, s.play, s.release) for s in subs], ids, stored)
-    return [Jsonb(text, dumps=_as_is) for text in texts]
+    return [json_text(text) for text in texts]
 
 
 def check_authority(authority: object) -> dict[str, Any]:
@@ -389,11 +389,6 @@ def database_rules() -> dict[str, Any]:
         "retry_kinds": list(fields.RETRY_KINDS),
         "retry_bounds": {name: list(bounds) for name, bounds in fields.RETRY_BOUNDS.items()},
     }
-
-
-def _as_is(text: str) -> str:
-    """The dumps of a value that is already JSON text."""
-    return text
 
 
 async def _execute_translated(

@@ -27,7 +27,7 @@ import random
 import traceback
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
@@ -109,10 +109,24 @@ class Finish:
     spawn: bool = False
     spawn_at: datetime | None = None
     wait_event: str | None = None
+    # ``result`` as the JSON text it was checked as (queues.fields.encode), written as is:
+    # a result is encoded once, not again by the finish batch. Not part of the write's value.
+    result_json: str | None = field(default=None, compare=False, repr=False)
 
 
-def succeeded(run_id: uuid.UUID, attempt: int, result: Any) -> Finish:
-    return Finish(run_id, attempt, RunState.SUCCEEDED, Outcome.SUCCEEDED, "run_succeeded", result)
+def succeeded(
+    run_id: uuid.UUID, attempt: int, result: Any, *, result_json: str | None = None
+) -> Finish:
+    """A returned play's final write; ``result_json``: ``result`` already encoded."""
+    return Finish(
+        run_id,
+        attempt,
+        RunState.SUCCEEDED,
+        Outcome.SUCCEEDED,
+        "run_succeeded",
+        result,
+        result_json=result_json,
+    )
 
 
 def failed(

@@ -14,14 +14,20 @@ at import, so a broken file can never reach a running worker.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Literal, LiteralString, cast
+from typing import Any, Literal, LiteralString, TypeVar, cast
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import BaseRowFactory, RowMaker, class_row
+from psycopg.types.json import Jsonb
+
+T = TypeVar("T")
 
 _HEADER = re.compile(r"^-- name: (?P<name>[a-z][a-z0-9_]*) :(?P<kind>one|many|exec)\s*$")
 _POSITIONAL = re.compile(r"(?<!%)(?:%%)*%s")
@@ -170,3 +176,34 @@ def one_statement(conn: psycopg.AsyncConnection[Any]) -> AbstractAsyncContextMan
     them cannot keep the rows it locked), else in a transaction of the caller's (a
     savepoint there: a failure leaves the caller's transaction usable)."""
     return contextlib.nullcontext() if own_transaction(conn) else conn.transaction()
+
+
+def json_text(text: str) -> Jsonb:
+    """A jsonb parameter from JSON text already encoded and checked (queues.fields.encode):
+    sent as it is, not encoded again."""
+    return Jsonb(text, dumps=_as_is)
+
+
+def _as_is(text: str) -> str:
+    return text
+
+
+def fields_row(cls: type[T]) -> BaseRowFactory[T]:
+    """psycopg's ``class_row`` for a dataclass, without a mapping per row: when a result's
+    columns are the dataclass's fields in their order (checked once per result), each row
+    is made from its values by position; otherwise by name, as ``class_row`` makes it (a
+    column added or moved costs speed, never a wrong field)."""
+    names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    by_name = class_row(cls)
+
+    def factory(cursor: Any) -> RowMaker[T]:
+        description = cursor.description
+        if description is None or tuple(c.name for c in description) != names:
+            return by_name(cursor)
+
+        def by_position(values: Sequence[Any]) -> T:
+            return cls(*values)
+
+        return by_position
+
+    return factory

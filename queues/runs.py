@@ -30,7 +30,7 @@ from queues.errors import RunNotFound, translate
 from queues.fence import Fence, refused
 from queues.lanes import RetryPolicy
 from queues.outcomes import Finish, FinishStatus, RunState
-from queues.queries import one_statement, own_transaction, q
+from queues.queries import fields_row, json_text, one_statement, own_transaction, q
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +269,7 @@ async def claim(
         "lazy": own,
     }
     async with one_statement(conn):
-        async with conn.cursor(row_factory=class_row(Claimed)) as cur:
+        async with conn.cursor(row_factory=fields_row(Claimed)) as cur:
             cur.adapters.register_loader("jsonb", _ClaimJsonbLoader)
             await cur.execute(q("run_claim_batch"), params)
             rows = await cur.fetchall()
@@ -370,7 +370,7 @@ async def finish(
                 "attempts": [f.attempt for f in finishes],
                 "states": [str(f.state) for f in finishes],
                 "outcomes": [str(f.outcome) for f in finishes],
-                "results": [None if f.result is None else Jsonb(f.result) for f in finishes],
+                "results": [_result(f) for f in finishes],
                 "errors": [None if f.error is None else Jsonb(f.error) for f in finishes],
                 "spawn": [f.spawn for f in finishes],
                 "spawn_at": [f.spawn_at for f in finishes],
@@ -379,6 +379,14 @@ async def finish(
             },
         )
         return {(row[0], row[1]): FinishStatus(row[2]) for row in await cur.fetchall()}
+
+
+def _result(f: Finish) -> Jsonb | None:
+    """A final write's result parameter: none (the run keeps what it had), the JSON text
+    it was checked as, or the value encoded here."""
+    if f.result is None:
+        return None
+    return json_text(f.result_json) if f.result_json is not None else Jsonb(f.result)
 
 
 @dataclass(frozen=True, slots=True)

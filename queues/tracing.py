@@ -20,15 +20,22 @@ Each span carries ``wq.run_id``, ``wq.attempt``, ``wq.play`` and ``wq.lane`` whe
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 try:  # the optional extra
     from opentelemetry import propagate as _propagate
     from opentelemetry import trace as _trace
+    from opentelemetry.environment_variables import OTEL_PYTHON_TRACER_PROVIDER
 except ImportError:  # pragma: no cover - exercised by the tests' import-blocking check
     _trace = None  # type: ignore[assignment]
     _propagate = None  # type: ignore[assignment]
+    OTEL_PYTHON_TRACER_PROVIDER = "OTEL_PYTHON_TRACER_PROVIDER"
+
+# A provider named by the environment is loaded by the API's own lookup, at the first
+# span; without one, the API's global (set once, by the application) is read directly.
+_PROVIDER_FROM_ENVIRONMENT = OTEL_PYTHON_TRACER_PROVIDER in os.environ
 
 TRACER_NAME = "worker"
 CONTEXT_KEY = "trace"  # where the submitter's context sits in the run's authority metadata
@@ -47,10 +54,25 @@ def _idle() -> bool:
     per span: an application may configure its provider at any time. Skipping the span
     then saves the API's no-op work, a fifth of a trivial attempt's handling."""
     assert _trace is not None
-    provider = _trace.get_tracer_provider()
-    if not isinstance(provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider):
+    provider = _provider()
+    if provider is not None and not isinstance(
+        provider, _trace.ProxyTracerProvider | _trace.NoOpTracerProvider
+    ):
         return False
     return not _trace.get_current_span().get_span_context().is_valid
+
+
+def _provider() -> Any:
+    """The configured tracer provider, or None (or the API's proxy) when there is none.
+
+    ``get_tracer_provider()`` looks the environment up on every call while no provider is
+    set (a failed ``os.environ`` lookup per span, most of the check); the API keeps the
+    provider an application set in a module global, read here when the API has it and
+    the environment names none."""
+    assert _trace is not None
+    if _PROVIDER_FROM_ENVIRONMENT or not hasattr(_trace, "_TRACER_PROVIDER"):
+        return _trace.get_tracer_provider()
+    return _trace._TRACER_PROVIDER  # set once, by set_tracer_provider
 
 
 def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -63,20 +85,41 @@ def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-@contextlib.contextmanager
+class _Skipped:
+    """The span of a block with nothing to trace: enters as None, and costs no generator."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_exc: object) -> None:
+        return None
+
+
+_SKIPPED = _Skipped()
+
+
 def span(
     name: str,
     *,
     attributes: Mapping[str, Any] | None = None,
     parent: Mapping[str, str] | None = None,
-) -> Iterator[Any]:
+) -> contextlib.AbstractContextManager[Any]:
     """A span around the block (the current span's child, or ``parent``'s when a stored W3C
-    carrier is given); yields it, or None without OpenTelemetry or when there is nothing to
-    trace (:func:`_idle`). An exception that leaves the block is recorded on the span and
-    sets its status to error."""
+    carrier is given); enters as it, or as None without OpenTelemetry or when there is
+    nothing to trace (:func:`_idle`). An exception that leaves the block is recorded on the
+    span and sets its status to error."""
     if _trace is None or _propagate is None or (not parent and _idle()):
-        yield None
-        return
+        return _SKIPPED
+    return _recorded(name, attributes, parent)
+
+
+@contextlib.contextmanager
+def _recorded(
+    name: str, attributes: Mapping[str, Any] | None, parent: Mapping[str, str] | None
+) -> Iterator[Any]:
+    assert _trace is not None and _propagate is not None
     context = _propagate.extract(dict(parent)) if parent else None
     tracer = _trace.get_tracer(TRACER_NAME)
     with tracer.start_as_current_span(name, context=context, attributes=_clean(attributes)) as s:

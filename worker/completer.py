@@ -1,7 +1,8 @@
 """The completer: where an attempt's final write is made, fenced (``runs.finish``).
 
 :class:`BatchCompleter` is a worker's: the final writes of its attempts wait for the next
-batch, written in one statement (a play whose write is queued has freed its slot already),
+batch, written in one statement (a play whose write is queued has freed its slot already;
+the writes of a burst, queued in one turn of the event loop and the next, share a batch),
 and a batch that meets a database outage is sent again until the outage passes the
 worker's limit (:mod:`worker.outage`); a retried write that had been applied comes back
 ``replayed``. :class:`InlineCompleter` makes each write in a statement of its own on one
@@ -51,11 +52,19 @@ class BatchCompleter:
         return future
 
     async def write(self, final: Finish) -> FinishStatus:
-        return await asyncio.shield(self.queue(final))
+        # No shield needed: a cancel of the caller cancels this future, never the write,
+        # which stays in the batch and is made all the same (flush answers only the
+        # futures still waiting).
+        return await self.queue(final)
 
     async def run(self) -> None:
         while True:
             await self._ready.wait()
+            # A burst's writes come from attempts the loop has ready now: plays that
+            # returned together, and the runs claimed ahead that started in their slots
+            # and returned at once. One turn of the loop lets them queue, so the burst goes
+            # in one statement, not in the first write's and one after it.
+            await asyncio.sleep(0)
             await self.flush()
 
     async def flush(self) -> None:

@@ -12,6 +12,7 @@ thread of its own even when the loop is blocked anyway.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -114,14 +115,27 @@ class RunContext:
     def __init__(self, info: RunInfo, params: dict[str, Any], transport: Transport | WireSender):
         self.info = info
         self.params = params
-        self.fence = info.fence
         self._transport = typed(transport)
-        self._steps = Steps(info, self._run)
-        self._waits = Waits(info, self._run, self._steps, lambda: self.log)
         self._cleanups: list[CleanupFn] = []
         self._sheets: dict[str, Sheet] = {}
         self.cancel_requested = False
         self._log: Any = None
+
+    # The attempt's fence, steps and waits are made at first use: most attempts of a
+    # trivial play use none of them, and each is a record or two per run.
+
+    @functools.cached_property
+    def fence(self) -> Fence:
+        """The attempt's fence, carried by every write it makes."""
+        return self.info.fence
+
+    @functools.cached_property
+    def _steps(self) -> Steps:
+        return Steps(self.info, self._run)
+
+    @functools.cached_property
+    def _waits(self) -> Waits:
+        return Waits(self.info, self._run, self._steps, lambda: self.log)
 
     @property
     def log(self) -> Any:
@@ -158,13 +172,20 @@ class RunContext:
     @property
     def current_step(self) -> str | None:
         """The step whose body is running now (for lag reports), or None."""
-        return self._steps.current_step
+        steps = self._made_steps()
+        return steps.current_step if steps is not None else None
 
     @property
     def duplicate_suspects(self) -> int:
         """Steps executed (not replayed) that the attempt before, cut short, may have been
         in the middle of: the first execution of a resumed attempt."""
-        return self._steps.duplicate_suspects
+        steps = self._made_steps()
+        return steps.duplicate_suspects if steps is not None else 0
+
+    def _made_steps(self) -> Steps | None:
+        """The attempt's steps if it has used them (reading them makes none)."""
+        made: Steps | None = self.__dict__.get("_steps")
+        return made
 
     async def _run(self, call: calls.Call[T]) -> T:
         return await self._transport.run(call)

@@ -133,7 +133,7 @@ class Absorbing:
         self.max_outage_s = max_outage_s
         self._on_absorbed = on_absorbed
         self._before_retry = before_retry
-        self.absorbed: collections.Counter[str] = collections.Counter()  # by action
+        self._absorbed: collections.Counter[str] | None = None  # made at the first absorbed
 
     async def run(self, call: calls.Call[T]) -> T:
         inner = typed(self.inner)
@@ -172,11 +172,18 @@ class Absorbing:
                     await self._before_retry()
                 continue
             if since is not None:
-                self.absorbed[action] += 1
+                if self._absorbed is None:
+                    self._absorbed = collections.Counter()
+                self._absorbed[action] += 1
                 log.info("call_absorbed", action=action, down_s=round(time.monotonic() - since, 2))
                 if self._on_absorbed is not None:
                     self._on_absorbed(action)
             return answer
+
+    @property
+    def absorbed(self) -> collections.Counter[str]:
+        """The calls answered after a blip was absorbed, by action."""
+        return self._absorbed if self._absorbed is not None else collections.Counter()
 
     async def aclose(self) -> None:
         closing = getattr(self.inner, "aclose", None)

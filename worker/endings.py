@@ -88,7 +88,7 @@ def success(c: runs.Claimed, result: Any) -> Finish:
         # The one JSON rule (no NaN, no NUL, no lone surrogate, bounded depth and size): a
         # result the database would refuse must fail this run, not the finish batch it
         # shares with other runs.
-        fields.encode(result, field="result", max_bytes=fields.MAX_RESULT_BYTES)
+        encoded = fields.encode(result, field="result", max_bytes=fields.MAX_RESULT_BYTES)
     except WorkerError as exc:
         return outcomes.failed(
             c.run_id,
@@ -99,7 +99,7 @@ def success(c: runs.Claimed, result: Any) -> Finish:
             failure=(c.failures or 0) + 1,
             retryable=False,
         )
-    return outcomes.succeeded(c.run_id, c.attempt, result)
+    return outcomes.succeeded(c.run_id, c.attempt, result, result_json=encoded)
 
 
 @dataclass(frozen=True, slots=True)

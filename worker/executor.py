@@ -150,9 +150,8 @@ class Executor:
         """Stop the attempt at its run's timeout (queues.options), measured from the claim's
         database time, so the worker's clock does not matter."""
         c = live.claimed
-        claimed_at = c.claimed_at
-        if c.cleanup or c.timeout_at is None or claimed_at is None:
-            return
+        if c.cleanup or c.timeout_at is None or (claimed_at := c.claimed_at) is None:
+            return  # most runs have no timeout: nothing to arm, nothing to compute
         left = (c.timeout_at - claimed_at).total_seconds()
         live.timer = asyncio.get_running_loop().call_later(
             max(0.0, left), self._time_out, c.run_id, c.attempt

@@ -1,5 +1,6 @@
 """The completer (``worker.completer``): a worker's final writes batched into one fenced
-statement, each answered with its own status; and the inline one a test uses."""
+statement, each answered with its own status (a burst of them in one statement); and the
+inline one a test uses."""
 
 from __future__ import annotations
 
@@ -15,8 +16,20 @@ from psycopg_pool import AsyncConnectionPool
 
 from queues.outcomes import FinishStatus, succeeded
 from tests import attempts
+from tests.workers import eventually, fetch, running_worker, submit
 from worker.completer import BatchCompleter, InlineCompleter
+from worker.context import RunContext
 from worker.outage import Downtime
+from worker.plays import Registry
+
+registry = Registry()
+GATES: dict[str, asyncio.Event] = {}  # the test's gate, made in its own event loop
+
+
+@registry.play("gated")
+async def gated(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
+    await GATES["open"].wait()
+    return {"i": params["i"]}
 
 
 async def setup(db_url: str) -> psycopg.AsyncConnection[Any]:
@@ -79,3 +92,34 @@ async def test_inline_writes_each_in_a_statement_of_its_own(db_url: str) -> None
         final = succeeded(a.run_id, a.fence.attempt, None)
         assert await completer.write(final) is FinishStatus.APPLIED
         assert await completer.queue(final) is FinishStatus.REPLAYED
+
+
+async def test_a_burst_of_finishes_goes_in_one_statement(db_url: str) -> None:
+    """Three plays return together and the three runs claimed ahead start in their slots
+    and return at once: the six final writes are one statement (every attempt row a
+    statement finishes carries its transaction's time, so one time is one statement)."""
+    GATES["open"] = asyncio.Event()
+    runs = [await submit(db_url, "gated", {"i": i}) for i in range(6)]
+    async with running_worker(db_url, registry, concurrency=3, prefetch=3) as worker:
+
+        async def claimed_ahead() -> bool:
+            return len(worker.slots.live) == 3 and len(worker.slots.ahead) == 3
+
+        await eventually(claimed_ahead)
+        GATES["open"].set()
+
+        async def finished() -> bool:
+            rows = await fetch(
+                db_url,
+                "SELECT count(*) FROM wq_runs WHERE id = ANY(%s) AND state = 'succeeded'",
+                (runs,),
+            )
+            return int(rows[0][0]) == len(runs)
+
+        await eventually(finished)
+    rows = await fetch(
+        db_url,
+        "SELECT count(*), count(DISTINCT finished_at) FROM wq_attempts WHERE run_id = ANY(%s)",
+        (runs,),
+    )
+    assert rows == [(6, 1)]

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -262,9 +263,23 @@ def test_without_a_tracer_provider_spans_are_skipped_and_context_still_flows() -
     _prints_ok(code)
 
 
-def _prints_ok(code: str) -> None:
-    """Run ``code`` in a fresh interpreter (its own tracer provider, its own imports); it
-    must exit 0 having printed ``ok``."""
+def test_a_tracer_provider_named_by_the_environment_records() -> None:
+    """A provider the environment names (OTEL_PYTHON_TRACER_PROVIDER, as an SDK's
+    configuration sets it) is loaded at the first span, which records."""
+    code = (
+        "from opentelemetry import trace\n"
+        "from queues import tracing\n"
+        "with tracing.span('wq.attempt', attributes={'wq.run_id': 'r'}) as s:\n"
+        "    assert s is not None and s.is_recording()\n"
+        "assert not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)\n"
+        "print('ok')\n"
+    )
+    _prints_ok(code, env={"OTEL_PYTHON_TRACER_PROVIDER": "sdk_tracer_provider"})
+
+
+def _prints_ok(code: str, env: dict[str, str] | None = None) -> None:
+    """Run ``code`` in a fresh interpreter (its own tracer provider, its own imports, the
+    environment with ``env`` over it); it must exit 0 having printed ``ok``."""
     done = subprocess.run(
         [sys.executable, "-c", code],
         check=False,
@@ -272,6 +287,7 @@ def _prints_ok(code: str) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        env=None if env is None else os.environ | env,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
