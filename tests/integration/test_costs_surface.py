@@ -250,3 +250,24 @@ async def test_a_paused_run_shows_why_everywhere_and_a_raise_from_the_cli_resume
         "SELECT sum(amount) FROM wq_charges WHERE run_id = %s AND unit = 'credits'",
         (run_id,),
     ) == [(Decimal(4),)]
+
+
+async def test_a_paused_run_is_cancelled_as_any_sleeping_run_and_a_raise_leaves_it_so(
+    db_url: str,
+) -> None:
+    done = await cli(db_url, "budgets", "set", "--org", "delta", "--limit", "1")
+    assert done.code == 0, done.err
+    async with running_worker(db_url, registry):
+        run_id = await submit(db_url, "paid", {"calls": 3}, org="delta")
+        await eventually(lambda: _paused(db_url, run_id))
+        cancelled = await cli(db_url, "cancel", str(run_id), "--reason", "over budget")
+        assert cancelled.code == 0, cancelled.err
+        assert await run_state(db_url, run_id) == "cancelled"
+        raised = await cli(db_url, "budgets", "set", "--org", "delta", "--limit", "100")
+        assert raised.code == 0, raised.err
+        shown = json.loads((await cli(db_url, "runs", "show", str(run_id), "--json")).out)
+        assert (shown["state"], shown["wait_reason"]) == ("cancelled", None)
+    assert await run_state(db_url, run_id) == "cancelled"
+    assert await fetch(
+        db_url, "SELECT count(*), sum(amount) FROM wq_charges WHERE run_id = %s", (run_id,)
+    ) == [(2, Decimal("1.25"))]
