@@ -1,7 +1,8 @@
 -- name: run_submit :one
 -- Admission in one statement: wq_submit (sql/migrations/0009) checks the lane under FOR
--- SHARE, inserts the launch row, its job, its ledger event and its input pages, or answers
--- an idempotent retry with the earlier run; it raises WQ001/WQ002/WQ003/WQ007.
+-- SHARE, inserts the launch row, its job and its input pages (the run row stands for its
+-- run_created event, migration 0040), or answers an idempotent retry with the earlier run;
+-- it raises WQ001/WQ002/WQ003/WQ007.
 SELECT run_id, created, lane, job_id
   FROM wq_submit(%(id)s, %(org)s, %(play)s, %(params)s::jsonb, %(release)s, %(lane)s, %(key)s,
                  %(priority)s, %(authority)s, %(pages)b::jsonb[], %(count)s, %(digest)s);
