@@ -3,7 +3,7 @@
 A worker runs the demo's plays in this process; the dashboard reads as a wq_reader login
 and acts as a wq_worker login. The browser logs in, loads the runs page, opens a demo run
 and sees its progress, opens a failed run and sees its traceback (and retries it), cancels
-a live demo run from its page, and visits the lanes and metrics pages. A screenshot of
+a live demo run from its page, and visits the lanes, metrics and costs pages. A screenshot of
 every page is saved outside the source tree, under ``$WORKER_TEST_ARTIFACTS/dashboard`` (by
 default the temporary directory's ``worker-test-artifacts``), and the paths printed.
 
@@ -60,6 +60,17 @@ async def explode(ctx: RunContext, params: dict[str, Any]) -> None:
     _parse_score(fetched)
 
 
+@failing.play("paid")
+async def paid(ctx: RunContext, params: dict[str, Any]) -> None:
+    for i in range(3):
+
+        def call(i: int = i) -> int:
+            ctx.charge(2, provider="clearbit")
+            return i
+
+        await ctx.step(f"call-{i}", call)
+
+
 registry = demo_plays.merged(failing)
 
 
@@ -104,8 +115,10 @@ async def test_the_dashboard_in_a_browser(db_url: str) -> None:
     async with running_worker(db_url, registry, release=RELEASE, concurrency=4):
         done = await _admit(db_url, "enrich", {"page_delay_s": 0}, rows=200)
         broken = await _admit(db_url, "explode", {})
+        paying = await _admit(db_url, "paid", {})
         assert await eventually(lambda: _state_in(db_url, done, "succeeded")) == "succeeded"
         assert await eventually(lambda: _state_in(db_url, broken, "failed")) == "failed"
+        assert await eventually(lambda: _state_in(db_url, paying, "succeeded")) == "succeeded"
         live = await _admit(db_url, "enrich", {"page_delay_s": 10}, rows=3000)
         await eventually(lambda: _rows_done(db_url, live), timeout=20)
         async with serving(db_url) as served, async_playwright() as pw:
@@ -117,7 +130,7 @@ async def test_the_dashboard_in_a_browser(db_url: str) -> None:
                 await browser.close()
     for path in taken:
         print(f"screenshot: {path}")
-    assert len(taken) == 7 and all(p.stat().st_size > 10_000 for p in taken)
+    assert len(taken) == 8 and all(p.stat().st_size > 10_000 for p in taken)
 
 
 async def _drive(
@@ -204,3 +217,11 @@ async def _drive(
     await page.wait_for_selector("svg.chart rect.bad")
     assert "runs admitted" in await page.inner_text("main")
     await shot(page, "7-metrics", taken)
+
+    # Costs: each day's spend per org and per provider, drawn under the page's CSP.
+    await page.click("nav a[href='/costs']")
+    await page.wait_for_url(f"{base}/costs")
+    await page.wait_for_selector("svg.chart rect.s0")
+    costs_text = await page.inner_text("main")
+    assert "credits per day, per provider" in costs_text and "clearbit 6" in costs_text
+    await shot(page, "8-costs", taken)
