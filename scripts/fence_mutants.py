@@ -491,6 +491,29 @@ for what, piece in FENCE_PIECES.items():
         (FENCE_SCHEDULING, "tests/db/test_costs.py"),
     )
 
+# A step's charges are written only with the receipt the statement settled, so they share
+# its fence: recorded from the settled rows (`finished`, `written`), never from the
+# request alone. A charge recorded apart from them would outlive a refused write.
+swap(
+    "receipt_finish.charges_with_receipt",
+    RECEIPTS_SQL,
+    "receipt_finish",
+    "charges recorded only with the settled receipt (FROM finished)",
+    "    FROM finished\n    CROSS JOIN unnest(%(charge_units)s::text[],",
+    "    FROM (SELECT %(step_key)s::text AS step_key) AS finished\n"
+    "    CROSS JOIN unnest(%(charge_units)s::text[],",
+    (RECEIPTS, "tests/db/test_costs.py"),
+)
+swap(
+    "receipt_complete_many.charges_with_receipts",
+    RECEIPTS_SQL,
+    "receipt_complete_many",
+    "charges recorded only with the receipts the page completed (JOIN written, mine)",
+    "    JOIN written w ON w.step_key = c.step_key AND w.mine\n",
+    "",
+    (RECEIPTS, "tests/db/test_costs.py"),
+)
+
 # The bucket a permit needs, made by the attempt's first acquire, fenced the same way.
 BUCKET = (
     "   AND r.id = %(run_id)s AND r.attempt = %(attempt)s AND r.state = 'running'\n"

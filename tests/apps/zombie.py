@@ -28,7 +28,9 @@ mark ``<point>`` and waits until the test releases it; attempt 2 never stops the
   play reads the run's permits (``wq_limit_holds``, through its own connection) and
   returns them with the grant's time (``permit``);
 - ``limit-held``: as ``limit``, but attempt 1 meets the test inside the block, holding
-  its permit (its late write is the permit's release, then the rows' completion).
+  its permit (its late write is the permit's release, then the rows' completion);
+- ``budget``: after the permits' point, right before a step (``paid``) that reserves its
+  estimate of 1 credit against the run's budgets (the test defines one for the org).
 
 A rendezvous does not give up when the runtime stops the attempt (the watchdog after a
 refused lease renewal): it records ``<point>:stopped`` and waits on for the release, like
@@ -209,6 +211,18 @@ async def _spawn_child(ctx: RunContext) -> str:
     return str(child)
 
 
+async def _paid_step(ctx: RunContext) -> Any:
+    """The ``budget`` point: a step that reserves its estimate against the run's budgets
+    first (attempt 1 meets the test right before asking)."""
+    await rendezvous(ctx, "budget")
+
+    async def call() -> dict[str, int]:
+        ctx.charge(1, provider="zombie")
+        return {"by": ctx.attempt}
+
+    return await ctx.step("paid", call, cost=1)
+
+
 async def _take_permit(ctx: RunContext, point: str) -> dict[str, Any]:
     if point == "limit":
         await rendezvous(ctx, "limit")
@@ -266,6 +280,7 @@ async def zombie(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
         await rendezvous(ctx, "receipts")
     child = await _spawn_child(ctx) if point == "spawn" else None
     permit = await _take_permit(ctx, point) if point in LIMIT_POINTS else None
+    paid = await _paid_step(ctx) if point == "budget" else None
     if point == "cancel" and ctx.attempt == 1:
         await mark(ctx, "awaiting-cancel")
         await asyncio.Event().wait()  # until the cancel stops the play (its hook runs)
@@ -287,4 +302,5 @@ async def zombie(ctx: RunContext, params: dict[str, Any]) -> dict[str, Any]:
         "write_version": sheet.write_version,
         "child": child,
         "permit": permit,
+        "paid": paid,
     }

@@ -81,7 +81,7 @@ from typing import IO, Any, TypeVar
 
 import psycopg
 
-from queues import lanes, limits
+from queues import costs, lanes, limits
 from tests.apps.zombie import LIMIT, URL_ENV, ZOMBIE_DDL
 from tests.workers import submit
 
@@ -94,6 +94,8 @@ RELEASE = "zombie"
 LEASE_TTL_S = 2.0
 HEARTBEAT_S = 0.25
 ROWS = 5
+ORG = "default"  # the org tests.workers.submit admits runs of
+BUDGET = 1000  # the `budget` point's org budget, in credits: room for every step
 DEADLINE_S = 30.0
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
@@ -420,6 +422,10 @@ async def snapshot(db: str | Conn, run_id: uuid.UUID) -> dict[str, list[tuple[An
         "FROM wq_limit_holds WHERE run_id = %(id)s ORDER BY hold",
         "charges": "SELECT attempt, step_key, outcome, unit, provider, amount "
         "FROM wq_charges WHERE run_id = %(id)s ORDER BY step_key, attempt",
+        "reservations": "SELECT scope, step_key, unit, attempt, amount "
+        "FROM wq_reservations WHERE run_id = %(id)s ORDER BY step_key, unit",
+        # The test's database is its own: every budget is one of its scenario's.
+        "budgets": "SELECT org, unit, limit_amount, spent FROM wq_budgets ORDER BY id",
         # The test's database is its own: every bucket is one of its limits.
         "buckets": "SELECT key, org, tat FROM wq_limit_buckets ORDER BY key, org",
     }
@@ -560,6 +566,8 @@ async def scenario(
         # The limit of the `limit` points: one permit at a time, and a rate (its bucket's
         # clock moves on each grant: a refused request must not move it).
         await limits.set_limit(conn, LIMIT, rate="100/s", concurrency=1)
+        if point == "budget":  # the org's budget a step's estimate is reserved against
+            await costs.set_budget(conn, org=ORG, limit=BUDGET)
         return await zombie_episode(db_url, tmp_path, point, conn)
 
 
@@ -882,6 +890,28 @@ async def test_zombie_stopped_right_before_a_permit(db_url: str, tmp_path: Path)
     assert await holding(z.url) == 0
     ((bucket_key, _, tat),) = z.after["buckets"]
     assert bucket_key == LIMIT and tat is not None
+    check_rows_by_b_on_a_receipts(z)
+
+
+async def test_zombie_stopped_right_before_a_budget_reservation(
+    db_url: str, tmp_path: Path
+) -> None:
+    z = await scenario(db_url, tmp_path, "budget")
+    # A's late write: its reservation of the paid step's estimate (refused by the fence in
+    # the reserving statement: no reservation row, no budget moved).
+    check_common(z, final_state="succeeded", refused=[(1, "budget", 1)])
+    check_fenced_late_write(z, "STALE_ATTEMPT", "cannot reserve the estimate of 1 step(s)")
+    # A's steps before the stop were charged with their receipts (B replayed them); B
+    # reserved, ran and settled the paid step: no reservation is left, A reserved nothing,
+    # and the budget spent exactly the charges recorded.
+    assert run_result(z)["paid"] == {"by": 2}
+    assert z.after["reservations"] == []
+    by_attempt = [(attempt, key) for attempt, key, *_ in z.after["charges"]]
+    assert sorted(by_attempt) == sorted(
+        [(1, "enrich"), *((1, f"row:{k}") for k in ROW_KEYS), (2, "paid")]
+    )
+    ((org, unit, limit, spent),) = z.after["budgets"]
+    assert (org, unit, limit, spent) == (ORG, "credits", BUDGET, len(by_attempt))
     check_rows_by_b_on_a_receipts(z)
 
 
