@@ -34,7 +34,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import admission, lanes, ledger, outcomes, receipts, recovery, runs, sheets
+from queues import admission, costs, lanes, ledger, outcomes, receipts, recovery, runs, sheets
 from tests import attempts
 from tests.db.test_claim_plans import RELEASE, explained, finished_history, prepared_at_once
 
@@ -48,6 +48,8 @@ GROWING = (
     "wq_events",
     "wq_receipts",
     "wq_sheet_rows",
+    "wq_charges",
+    "wq_reservations",
 )
 HISTORY = 3000
 PAGE = 200
@@ -280,6 +282,69 @@ async def test_a_steps_record_is_never_compiled(conn: Conn) -> None:
     await stop_explaining(conn)
     checked = held_to_the_rule(plans)
     assert len([p for p in checked if "wq_receipts" in p.text and "Insert" in p.text]) == 3
+
+
+async def test_a_paid_steps_reservation_and_charges_are_never_compiled(conn: Conn) -> None:
+    """A paid step under a budget: its estimate reserved (budget_reserve, with its nested
+    reads of the budget's live reservations), then recorded with its charges (the receipt
+    statement adds them to the budget); a page of row steps the same way. Beside HISTORY
+    charges and reservations of other orgs, none is read whole."""
+    a = await attempts.start(conn)
+    await receipts_history(conn, a)
+    await conn.execute(
+        "INSERT INTO wq_charges (run_id, attempt, org, play, scope, step_key, outcome, unit,"
+        " amount) SELECT gen_random_uuid(), 1, 'org' || (i %% 50), 'p', 's', 'k' || i,"
+        " 'completed', 'credits', 1 FROM generate_series(1, %s) AS i",
+        (HISTORY,),
+    )
+    others = await admission.submit_many(
+        conn,
+        [
+            admission.Submission(play="p", params={}, release=RELEASE, org=f"org{i}")
+            for i in range(50)
+        ],
+    )
+    await conn.execute(
+        "INSERT INTO wq_reservations (run_id, scope, step_key, unit, attempt, org, play, amount)"
+        " SELECT r.id, 's', 'k' || i, 'credits', 1, r.org, r.play, 1"
+        " FROM wq_runs r, generate_series(1, %s) AS i WHERE r.id = ANY (%s)",
+        (HISTORY // 50, [o.run_id for o in others]),
+    )
+    await costs.set_budget(conn, org=attempts.ORG, limit=1_000_000)
+    await conn.execute("ANALYZE wq_charges, wq_reservations, wq_budgets")
+    scope = receipts.Scope.of_run(a.run_id)
+    charge = [costs.Charge.checked(1, provider="clearbit")]
+    plans = await hot_plans(conn, "plan_cache_mode = force_generic_plan")
+    with prepared_at_once(conn):
+        for i in range(3):
+            key = f"paid{i}"
+            got = await costs.reserve(
+                conn, fence=a.fence, scope=str(scope), keys=[key], estimate={"credits": 1}
+            )
+            assert got.granted == 1 and got.budgets == 1
+            ref = receipts.StepRef(attempts.ORG, attempts.PLAY, scope, key, a.fence)
+            done = await receipts.record(conn, ref, result=i, charges=charge)
+            assert done.outcome is receipts.ClaimOutcome.EXECUTE
+        keys = [f"row:{i}" for i in range(PAGE)]
+        got = await costs.reserve(
+            conn, fence=a.fence, scope=str(scope), keys=keys, estimate={"credits": 1}
+        )
+        assert got.granted == PAGE
+        recorded = await receipts.complete_many(
+            conn,
+            org=attempts.ORG,
+            play=attempts.PLAY,
+            scope=scope,
+            fence=a.fence,
+            results=[(key, 1) for key in keys],
+            charges={key: charge for key in keys},
+        )
+        assert len(recorded.completed) == PAGE
+    await stop_explaining(conn)
+    checked = held_to_the_rule(plans)
+    assert statements(checked, "wq_reservations") and statements(checked, "wq_charges")
+    (spent,) = await costs.list_budgets(conn, org=attempts.ORG)
+    assert (spent.spent, spent.reserved) == (3 + PAGE, 0)
 
 
 async def enrich_page(
