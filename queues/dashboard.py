@@ -312,7 +312,15 @@ async def costs_view(
         spent[c.unit] = spent.get(c.unit, Decimal(0)) + c.amount
     units = sorted(spent, key=lambda u: (-spent[u], u))
     chosen = unit if unit in spent else (units[0] if units else None)
-    totals_ = await costs.costs(conn, by=("org",), org=org, since=since)
+    # Each org's totals over the window, summed from its days (no second read).
+    summed: dict[tuple[str | None, str], tuple[Decimal, int]] = {}
+    for c in per_org:
+        amount, charges = summed.get((c.org, c.unit), (Decimal(0), 0))
+        summed[(c.org, c.unit)] = (amount + c.amount, charges + c.charges)
+    totals_ = [
+        costs.Cost(None, o, None, None, None, u, amount, n)
+        for (o, u), (amount, n) in sorted(summed.items(), key=lambda kv: (kv[0][0] or "", kv[0][1]))
+    ]
     return CostsView(
         unit=chosen,
         units=units,
