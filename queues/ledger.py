@@ -238,7 +238,7 @@ class _LeaseRow:
     attempts: int
     lease_expires_at: datetime
     leased_at: datetime
-    event_id: int | None  # None: an event a state row stands for (migration 0040)
+    event_id: int | None  # None: an event a state row stands for (migration 0041)
     run_id: uuid.UUID
     seq: int
     attempt: int | None

@@ -257,6 +257,11 @@ async def claim(
     (migration 0022), and the old one is dropped as a duplicate if it ever comes back.
     Inside a caller's transaction both statements are part of it, and nothing commits
     lazily.
+
+    The claim does not NOTIFY ``wq_run_events`` (migration 0040): on an idle worker that
+    NOTIFY was a third of the way from a spawn to the play's first line. The caller
+    announces the attempts it started (:func:`announce`) once the plays are under way;
+    the listeners' poll covers an announcement never made.
     """
     own = own_transaction(conn)
     params = {
@@ -285,6 +290,12 @@ async def claim(
                 },
             )
     return rows
+
+
+async def announce(conn: psycopg.AsyncConnection[Any], run_ids: Sequence[uuid.UUID]) -> None:
+    """NOTIFY ``wq_run_events`` for runs whose ledgers changed without a notification:
+    the attempts a claim started (:func:`claim`). Writes nothing."""
+    await conn.execute(q("run_announce"), {"runs": [str(r) for r in run_ids]})
 
 
 @dataclass(frozen=True, slots=True)

@@ -1237,6 +1237,19 @@ END;
 $$;
 
 --
+-- Name: wq_ledger_lifecycle(public.wq_events[], boolean); Type: FUNCTION; Schema: public; Owner: -
+--
+
+CREATE FUNCTION public.wq_ledger_lifecycle(p_events public.wq_events[], p_notify boolean) RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM wq_ledger_appended(p_events, p_notify);
+    RETURN coalesce(cardinality(p_events), 0);
+END;
+$$;
+
+--
 -- Name: wq_ledger_next_seq(uuid, bigint); Type: FUNCTION; Schema: public; Owner: -
 --
 
@@ -2240,77 +2253,79 @@ CREATE FUNCTION public.wq_transport_take(p_lanes text[], p_limit integer, p_work
     AS $_$
 #variable_conflict use_column
 DECLARE
-    v_fair boolean := false;
+    v_ids bigint[];
     v_hi text;
     v_lane text;
 BEGIN
-    -- Per lane: a cap, or another org with waiting jobs below the highest one (the end of
-    -- the lane's part of the org index; on a one-org lane the range below it is empty, so
-    -- neither probe walks over the jobs its claims took and vacuum has not cleared yet).
-    FOREACH v_lane IN ARRAY p_lanes LOOP
-        IF (SELECT l.org_concurrency FROM wq_lanes l WHERE l.name = v_lane) > 0 THEN
-            v_fair := true;
-            EXIT;
-        END IF;
-        v_hi := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
-                   FROM procrastinate_jobs j
-                  WHERE j.status = 'todo' AND j.queue_name = v_lane
-                  ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
-                  LIMIT 1);
-        IF v_hi IS NOT NULL
-           AND (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
-                  FROM procrastinate_jobs j
-                 WHERE j.status = 'todo' AND j.queue_name = v_lane
-                   AND coalesce(j.args ->> 'org', '') COLLATE "C" < v_hi
-                 ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
-                 LIMIT 1) IS NOT NULL THEN
-            v_fair := true;
-            EXIT;
-        END IF;
-    END LOOP;
-
-    IF NOT v_fair THEN
-        -- One org per lane, no cap: per lane, an ordered walk of wq_jobs_lane_todo_idx
-        -- (lane, priority, id) that stops after p_limit rows whatever the table statistics
-        -- or other lanes' backlog; then the best p_limit over the lanes. The walk orders by
-        -- the lane too: with sorts off, only that index yields the order (procrastinate's
-        -- (priority, id) index would walk every lane's jobs, and a plan made with stale
-        -- statistics chose it). The taken jobs are updated
-        -- by key probes: joined to them, the plan made once per session hashed the whole
-        -- jobs table, history included, on every claim (tests/db/test_claim_plans.py).
-        RETURN QUERY
-        WITH picked AS (
-            SELECT j.id
-              FROM unnest(p_lanes) AS lane (name)
-             CROSS JOIN LATERAL (
-                    SELECT j.id, j.priority
-                      FROM procrastinate_jobs j
-                     WHERE j.status = 'todo'
-                       -- The lane as a range: an equality would make the lane a constant
-                       -- of the order, which procrastinate's index could then serve.
-                       AND j.queue_name >= lane.name AND j.queue_name <= lane.name
-                       AND j.task_name = 'wq.run'
-                       AND (j.scheduled_at IS NULL
-                            OR j.scheduled_at <= coalesce(p_now, now()))
-                     ORDER BY j.queue_name, j.priority DESC, j.id
-                     LIMIT p_limit
-                       FOR UPDATE OF j SKIP LOCKED
-                   ) j
-             ORDER BY j.priority DESC, j.id
-             LIMIT p_limit
-        )
-        UPDATE procrastinate_jobs j
-           SET status = 'doing', worker_id = p_worker
-         WHERE j.id = ANY (ARRAY(SELECT picked.id FROM picked))
-        RETURNING j.id,
-                  CASE WHEN j.args ->> 'run_id'
-                            ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
-                       THEN (j.args ->> 'run_id')::uuid END;
+    -- A lane with a cap per org: the fair take, always.
+    IF EXISTS (SELECT 1 FROM wq_lanes l
+                WHERE l.name = ANY (p_lanes) AND l.org_concurrency > 0) THEN
+        RETURN QUERY SELECT f.job_id, f.run_id
+                       FROM wq_transport_take_fair(p_lanes, p_limit, p_worker, p_now) AS f;
         RETURN;
     END IF;
 
-    RETURN QUERY SELECT f.job_id, f.run_id
-                   FROM wq_transport_take_fair(p_lanes, p_limit, p_worker, p_now) AS f;
+    -- Per lane, an ordered walk of wq_jobs_lane_todo_idx (lane, priority, id) that stops
+    -- after p_limit rows whatever the table statistics or other lanes' backlog; then the
+    -- best p_limit over the lanes. The walk orders by the lane too: with sorts off, only
+    -- that index yields the order (procrastinate's (priority, id) index would walk every
+    -- lane's jobs, and a plan made with stale statistics chose it).
+    v_ids := ARRAY(
+        SELECT j.id
+          FROM unnest(p_lanes) AS lane (name)
+         CROSS JOIN LATERAL (
+                SELECT j.id, j.priority
+                  FROM procrastinate_jobs j
+                 WHERE j.status = 'todo'
+                   -- The lane as a range: an equality would make the lane a constant of
+                   -- the order, which procrastinate's index could then serve.
+                   AND j.queue_name >= lane.name AND j.queue_name <= lane.name
+                   AND j.task_name = 'wq.run'
+                   AND (j.scheduled_at IS NULL OR j.scheduled_at <= coalesce(p_now, now()))
+                 ORDER BY j.queue_name, j.priority DESC, j.id
+                 LIMIT p_limit
+                   FOR UPDATE OF j SKIP LOCKED
+               ) j
+         ORDER BY j.priority DESC, j.id
+         LIMIT p_limit);
+
+    IF cardinality(v_ids) >= p_limit THEN
+        -- More may wait: another org with waiting jobs below a lane's highest one (the end
+        -- of the lane's part of the org index; on a one-org lane the range below it is
+        -- empty, so neither probe walks over the jobs claims took and vacuum has not
+        -- cleared yet) makes the take fair.
+        FOREACH v_lane IN ARRAY p_lanes LOOP
+            v_hi := (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                       FROM procrastinate_jobs j
+                      WHERE j.status = 'todo' AND j.queue_name = v_lane
+                      ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
+                      LIMIT 1);
+            IF v_hi IS NOT NULL
+               AND (SELECT coalesce(j.args ->> 'org', '') COLLATE "C"
+                      FROM procrastinate_jobs j
+                     WHERE j.status = 'todo' AND j.queue_name = v_lane
+                       AND coalesce(j.args ->> 'org', '') COLLATE "C" < v_hi
+                     ORDER BY coalesce(j.args ->> 'org', '') COLLATE "C" DESC
+                     LIMIT 1) IS NOT NULL THEN
+                RETURN QUERY SELECT f.job_id, f.run_id
+                               FROM wq_transport_take_fair(p_lanes, p_limit, p_worker, p_now)
+                                    AS f;
+                RETURN;
+            END IF;
+        END LOOP;
+    END IF;
+
+    -- The walked jobs by key probes: joined to them, the plan made once per session
+    -- hashed the whole jobs table, history included, on every claim
+    -- (tests/db/test_claim_plans.py).
+    RETURN QUERY
+    UPDATE procrastinate_jobs j
+       SET status = 'doing', worker_id = p_worker
+     WHERE j.id = ANY (v_ids)
+    RETURNING j.id,
+              CASE WHEN j.args ->> 'run_id'
+                        ~* '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$'
+                   THEN (j.args ->> 'run_id')::uuid END;
 END;
 $_$;
 

@@ -1,7 +1,8 @@
 """Watching runs: live follow with a progress bar, and waiting for a terminal state.
 
-Both LISTEN on ``wq_run_events`` (every ledger append NOTIFYs it), so a terminal write
-reaches a waiter at once; a slow poll covers a dropped connection's lost notifications.
+Both LISTEN on ``wq_run_events`` (every ledger append NOTIFYs it; a claim's through its
+worker's announcement, :mod:`worker.producer`), so a terminal write reaches a waiter at
+once; a slow poll covers a dropped connection's lost notifications.
 Both ride out a lost database (a restart, a failover) for up to ``max_outage_s``: they
 reconnect, LISTEN again and read the run again, and go on where they were
 (:func:`worker.outage.riding`); past it they raise ``DATABASE_LOST`` (exit 6).

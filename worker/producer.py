@@ -9,7 +9,9 @@ ready). A wake meant for this worker alone that comes with no room is passed on 
 lanes' other claimers (:meth:`pass_on`, migration 0032). Claimed runs start while slots
 are free (:meth:`fill`, through ``start``, the executor's); the rest wait claimed ahead,
 and those claimed ahead for short plays that still wait after a hold are handed back
-(:meth:`expire_ahead`).
+(:meth:`expire_ahead`). The claim's statement does not notify ``wq_run_events``; the runs
+it took are announced :data:`ANNOUNCE_AFTER_S` later, in one statement, but those whose
+final write (which notifies) is already under way by then (:meth:`announce`).
 
 Its signals: ``wake`` (look for work now), ``capacity`` (a slot freed), ``targeted`` (a
 wake for this worker alone came since its last claim), ``idle`` (the loop waits for work)
@@ -38,6 +40,9 @@ log = structlog.get_logger("worker.producer")
 AHEAD_HOLD_FACTOR = 20
 # A listening worker's first claim waits this long at most for its liveness lock.
 FIRST_CLAIM_WAIT_S = 5.0
+# The runs a claim took are announced to wq_run_events' listeners this long after it:
+# off the way to the play's first line, and never for a run that ended by then.
+ANNOUNCE_AFTER_S = 0.1
 
 
 def retrieved(future: asyncio.Future[Any]) -> None:
@@ -83,6 +88,9 @@ class Producer:
         self.idle = False  # the claim loop waits for a wake (claim_woken)
         self.poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
         self.passing: set[asyncio.Task[None]] = set()  # wakes being passed on
+        self.unannounced: dict[uuid.UUID, int] = {}  # claimed, not announced: run -> attempt
+        self.announcing: set[asyncio.Task[None]] = set()  # announcements under way
+        self._announcement: asyncio.TimerHandle | None = None  # the next one
         self.procrastinate_id: int | None = None  # the worker's row in procrastinate's table
 
     async def on_wake(self, targeted: bool) -> None:
@@ -193,11 +201,16 @@ class Producer:
                     assert c.attempt is not None
                     self._track(c.run_id, c.attempt)  # leased from its claim
                     self.slots.ahead.append(c)
+                    self.unannounced[c.run_id] = c.attempt
                     got += 1
                 else:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             self.fill()
+            if got and self._announcement is None:
+                self._announcement = asyncio.get_running_loop().call_later(
+                    ANNOUNCE_AFTER_S, self.announce
+                )
             if self.slots.ahead and not self.slots.prefetch_setting:
                 # Claimed ahead for short plays: those still waiting when the hold ends go
                 # back to the lane, where another worker may take them.
@@ -224,6 +237,42 @@ class Producer:
                     await transport.wake(conn, self._lanes)
         except TRANSIENT as exc:  # the others' polls take the job
             log.warning("wake_pass_on_failed", error=repr(exc)[:300])
+
+    def announce(self) -> None:
+        """Announce the runs claimed since the last announcement that this worker still
+        runs or holds claimed ahead, their final writes not begun: one NOTIFY of
+        ``wq_run_events`` for their started attempts (:func:`queues.runs.announce`). A run
+        that ended or began its final write is left out: that write notifies. Best effort:
+        an announcement lost to an outage or a stop leaves the listeners their poll."""
+        self._announcement = None
+        claimed, self.unannounced = self.unannounced, {}
+        ahead = {c.run_id: c.attempt for c in self.slots.ahead}
+        due = []
+        for run_id, attempt_no in claimed.items():
+            live = self.slots.live.get(run_id)
+            if (
+                live is not None and live.claimed.attempt == attempt_no and not live.finishing
+            ) or ahead.get(run_id) == attempt_no:
+                due.append(run_id)
+        if due and not self._stopping.is_set():
+            task = asyncio.create_task(self._announce(due))
+            self.announcing.add(task)
+            task.add_done_callback(self.announcing.discard)
+
+    async def _announce(self, run_ids: list[uuid.UUID]) -> None:
+        try:
+            async with self._connection() as conn:
+                await runs.announce(conn, run_ids)
+            self.stats["announced"] += len(run_ids)
+        except TRANSIENT as exc:
+            log.warning("announce_failed", runs=len(run_ids), error=repr(exc)[:300])
+
+    def stop_announcing(self) -> None:
+        """At the stop: no announcement any more (the final writes notify)."""
+        if self._announcement is not None:
+            self._announcement.cancel()
+            self._announcement = None
+        self.unannounced.clear()
 
     def expire_ahead(self, run_ids: set[uuid.UUID]) -> None:
         """Hand back the runs claimed ahead for short plays that still wait for a slot after

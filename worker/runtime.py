@@ -96,6 +96,7 @@ def counters() -> dict[str, int]:
         "ahead_expired": 0,  # runs claimed ahead for short plays, handed back unstarted
         "row_invalid": 0,  # claimed runs failed before starting: a row no worker can use
         "control_checks": 0,  # reads of the durable cancel requests control messages named
+        "announced": 0,  # started attempts announced after their claim (Producer.announce)
     }
 
 
@@ -319,9 +320,15 @@ class Worker:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # Wakes being passed on and a cancel lookup: within the stop's bound, then dropped.
+        # Wakes being passed on, announcements and a cancel lookup: within the stop's
+        # bound, then dropped.
+        self.producer.stop_announcing()
         checking = self.control.checking
-        pending = [*self.producer.passing, *([checking] if checking is not None else [])]
+        pending = [
+            *self.producer.passing,
+            *self.producer.announcing,
+            *([checking] if checking is not None else []),
+        ]
         await record_stop(self.clock, self.pool, self.s.worker_id, pending)
         log.info("worker_stopped", **self.stats)
         if self.downtime.lost is not None:

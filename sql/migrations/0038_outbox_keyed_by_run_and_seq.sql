@@ -15,7 +15,7 @@
 -- The lifecycle events of the hot statements (admission, the claim, the finish) go through
 -- one function, wq_ledger_lifecycle, given the events as the state rows the statement
 -- wrote hold them (wq_ledger_event makes one). Here it stores them in wq_events, as
--- before; the contract step (0040) makes it do what their append does without storing
+-- before; the contract step (0041) makes it do what their append does without storing
 -- them. The switch is the database's: this release's code runs on both sides of it.
 --
 -- An HTTP sink may name the kinds of event it wants (wq_sinks.kinds): no delivery row is

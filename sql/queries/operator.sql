@@ -30,7 +30,7 @@ SELECT state::text AS state
 -- A finishing event the run row stands for (a run ended without an attempt: its
 -- ledger_end_* columns) is kept as a stored event first: the row has room for one, and the
 -- run may end that way again. Stored already (written before the ledger's contract step,
--- migration 0040), it is not copied.
+-- migration 0041), it is not copied.
 WITH prior AS (
     SELECT r.id, r.ledger_end_seq, r.ledger_end_kind, r.ledger_end_data, r.ledger_end_at
       FROM wq_runs r

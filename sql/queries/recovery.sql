@@ -176,7 +176,7 @@ WITH input AS (
      WHERE a.run_id = f.id AND a.attempt = f.attempt AND a.outcome = 'running'
     RETURNING a.run_id, a.attempt, a.end_seq, a.end_kind, a.end_data
 ), events AS (
-    -- Read from the attempt rows written, so the event trigger finds them (migration 0040).
+    -- Read from the attempt rows written, so the event trigger finds them (migration 0041).
     INSERT INTO wq_events (run_id, attempt, kind, data, seq)
     SELECT w.run_id, w.attempt, w.end_kind, w.end_data, w.end_seq
       FROM attempts w

@@ -1,7 +1,7 @@
 -- name: run_submit :one
 -- Admission in one statement: wq_submit (sql/migrations/0009) checks the lane under FOR
 -- SHARE, inserts the launch row, its job and its input pages (the run row stands for its
--- run_created event, migration 0040), or answers an idempotent retry with the earlier run;
+-- run_created event, migration 0041), or answers an idempotent retry with the earlier run;
 -- it raises WQ001/WQ002/WQ003/WQ007.
 SELECT run_id, created, lane, job_id
   FROM wq_submit(%(id)s, %(org)s, %(play)s, %(params)s::jsonb, %(release)s, %(lane)s, %(key)s,
@@ -109,13 +109,14 @@ WITH taken AS (
     RETURNING run_id, attempt, start_seq, cleanup
 ), event AS (
     -- The attempt row stands for its start event (wq_ledger), read from the row written;
-    -- wq_ledger_lifecycle stores it until the ledger's contract step (migration 0040),
-    -- then only notifies, delivers and folds it. One row, read by the final SELECT so
-    -- that it runs.
+    -- wq_ledger_lifecycle stores it until the ledger's contract step (migration 0041),
+    -- then only delivers and folds it: not notified here (false, migration 0040), the
+    -- worker announces the runs it started (runs.announce). One row, read by the final
+    -- SELECT so that it runs.
     SELECT wq_ledger_lifecycle(array_agg(wq_ledger_event(
                run_id, start_seq, attempt,
                CASE WHEN cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
-               jsonb_build_object('worker', %(worker)s::text)))) AS noted
+               jsonb_build_object('worker', %(worker)s::text))), false) AS noted
       FROM attempt
 ), waiting AS (
     -- The set of workers waiting for work (migration 0032: a spawn wakes them in turns):
@@ -149,6 +150,12 @@ SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NU
        NULL, NULL, NULL, NULL, NULL, NULL
   FROM taken t
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
+
+-- name: run_announce :exec
+-- Tell `wq_run_events` listeners that these runs' ledgers changed: the attempts a claim
+-- started, which its statement does not notify (migration 0040). The same NOTIFY as an
+-- append's (wq_ledger_appended: run ids, 200 per notification), nothing written.
+SELECT wq_ledger_appended(ARRAY[]::wq_events[], true, %(runs)s::text[]);
 
 -- name: job_drop :exec
 -- Settle deliveries a claim dropped, in a statement of their own (rare: the claim itself

@@ -128,7 +128,7 @@ async def test_a_large_analyzed_backlog_is_walked_in_its_lanes_order(conn: Conn)
     )
     await conn.execute("RESET client_min_messages")
     assert len([c for c in claimed if c.claimed]) == 10
-    takes = [p for p in plans if "WITH picked AS" in p]
+    takes = [p for p in plans if "v_ids := ARRAY(" in p]
     assert takes, plans
     assert all("wq_jobs_lane_todo_idx" in p for p in takes), "\n\n".join(takes)
     bad = [

@@ -165,7 +165,7 @@ async def test_a_claims_statements_are_never_compiled(conn: Conn, orgs: int, gen
     assert len([c for c in claimed if c.claimed]) == 8
     checked = held_to_the_rule(plans)
     assert statements(checked, "WITH taken AS"), plans  # the claim itself
-    take = "v_ranked := ARRAY(" if orgs > 1 else "WITH picked AS"
+    take = "v_ranked := ARRAY(" if orgs > 1 else "v_ids := ARRAY("
     # The take's statements (the ones with turned-off nodes) were seen, and ran without JIT.
     assert statements(checked, take), plans
     assert all(p.jit_off for p in statements(checked, take))

@@ -1,7 +1,7 @@
 """The ledger view (``wq_ledger``) on both sides of its contract step (docs/design.md,
 section 11b).
 
-Before the step (migration 0040) every lifecycle event is written twice: on its state row
+Before the step (migration 0041) every lifecycle event is written twice: on its state row
 (the attempt row, or the run row) and in ``wq_events``; that is the expand release's
 ledger, and the previous release reads ``wq_events`` alone. After it, an event a state
 row stands for is no longer stored. These tests run the lifecycle's scenarios with the
@@ -246,10 +246,11 @@ def _function(number: int, head: str) -> bytes:
 
 async def _expand_era(conn: Conn) -> None:
     """The database as the expand release left it, in the test's transaction: its event
-    trigger (migration 0037's) and its wq_ledger_lifecycle (0038's) store every lifecycle
-    event in wq_events as well."""
+    trigger (migration 0037's) and its wq_ledger_lifecycle (0038's, and the claim's form
+    of it, 0040's) store every lifecycle event in wq_events as well."""
     await conn.execute(_function(37, "CREATE OR REPLACE FUNCTION wq_events_sequence()"))
     await conn.execute(_function(38, "CREATE FUNCTION wq_ledger_lifecycle("))
+    await conn.execute(_function(40, "CREATE FUNCTION wq_ledger_lifecycle("))
 
 
 async def _ledgers(conn: Conn, made: dict[str, uuid.UUID], relation: str) -> dict[str, Any]:
@@ -460,7 +461,7 @@ async def test_the_contract_step_keeps_every_ledger_the_expand_release_wrote(
     made = await _scenarios(conn)
     before = await _ledgers(conn, made, "wq_ledger")
     assert await _held_in_wq_events(conn, made) != []
-    await conn.execute(_migration(40).encode())
+    await conn.execute(_migration(41).encode())
     assert await _ledgers(conn, made, "wq_ledger") == before
     assert await _held_in_wq_events(conn, made) == []
     # Each delivery still names its event, by (run_id, seq), the event as the view shows it.

@@ -102,7 +102,7 @@ async def test_a_runs_first_event_is_seq_1_and_cannot_be_written_twice(tx: Conn)
     )
     assert sorted(await cur.fetchall()) == [("run_created", 1)] * 3
     # A second run_created is seq 1 again, which the run row stands for: it is not stored
-    # (migration 0040), and the ledger still shows one.
+    # (migration 0041), and the ledger still shows one.
     await tx.execute(
         "INSERT INTO wq_events (run_id, kind, data) VALUES (%s, 'run_created', '{}')",
         (admitted[0].run_id,),

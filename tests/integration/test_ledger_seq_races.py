@@ -59,7 +59,7 @@ async def lock_waited_for(observer: Conn, pid: int, task: asyncio.Task[Any]) -> 
 async def the_ledger(conn: Conn, run_id: uuid.UUID) -> list[tuple[int, str]]:
     """The run's ledger as (seq, kind), read from the view (what readers read), after
     checking it: gapless and distinct from 1, each event either stored in ``wq_events`` or
-    stood for by a state row, never both (migration 0040)."""
+    stood for by a state row, never both (migration 0041)."""
     query = "SELECT seq, kind, attempt, data FROM {} WHERE run_id = %s ORDER BY seq, kind"
     found = {}
     for relation in ("wq_ledger", "wq_events", "wq_ledger_state"):

@@ -1,5 +1,6 @@
 """Notifications once per statement, procrastinate's job history only where it is read
-(migration 0026), on real committing connections.
+(migration 0026), a claim's started attempts announced by its worker instead of its
+statement (migration 0040), on real committing connections.
 
 Notifications are counted up to a sentinel NOTIFY sent after the statement under test
 committed: Postgres delivers a session's notifications in commit order, so everything the
@@ -17,8 +18,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from queues import admission, lanes, transport
-from tests.workers import eventually
+from queues import admission, lanes, runs, transport
+from tests.workers import eventually, running_worker
+from worker.context import RunContext
+from worker.plays import Registry
 
 Conn = psycopg.AsyncConnection[Any]
 RELEASE = "notify-once"
@@ -196,3 +199,89 @@ async def test_a_follower_wakes_on_its_runs_id_in_a_statements_payload(
 
 async def _printed(lines: list[str], kind: str) -> bool:
     return any(kind in line for line in lines)
+
+
+async def test_a_claim_notifies_nothing_and_its_announcement_names_its_runs(
+    db_url: str,
+) -> None:
+    async with connect(db_url) as listener, connect(db_url) as writer:
+        await lanes.prepare(writer, RELEASE)
+        await listener.execute(f"LISTEN {RUN_EVENTS}")
+        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(3)]
+        admitted = await admission.submit_many(writer, subs)
+        assert len(await until_sentinel(listener, writer, RUN_EVENTS)) == 1  # run_created
+        claimed = await runs.claim(writer, lanes=[LANE], worker_id="w1", limit=5, plays=["p"])
+        assert sorted(c.run_id for c in claimed if c.claimed) == sorted(a.run_id for a in admitted)
+        # The attempts started (their ledgers show attempt_started), and nobody was told.
+        assert await until_sentinel(listener, writer, RUN_EVENTS) == []
+        await runs.announce(writer, [c.run_id for c in claimed])
+        notes = await until_sentinel(listener, writer, RUN_EVENTS)
+        assert [sorted(n.payload.split(",")) for n in notes] == [
+            sorted(str(a.run_id) for a in admitted)
+        ]
+
+
+registry = Registry()
+held: dict[str, asyncio.Event] = {}  # the `held` play waits on it (made in the test's loop)
+started: dict[str, asyncio.Event] = {}
+
+
+@registry.play("quick")
+async def quick(ctx: RunContext, params: dict[str, Any]) -> None:
+    return None
+
+
+@registry.play("held")
+async def held_play(ctx: RunContext, params: dict[str, Any]) -> None:
+    started["held"].set()
+    await held["held"].wait()
+
+
+def naming(notes: list[psycopg.Notify], run_id: uuid.UUID) -> int:
+    return sum(str(run_id) in n.payload.split(",") for n in notes)
+
+
+async def test_a_worker_announces_a_run_still_playing_and_not_one_that_ended(
+    db_url: str,
+) -> None:
+    """A run whose play returned before the announcement is due is named by its final
+    write's notification alone; one still playing is announced once, while it plays."""
+    held["held"], started["held"] = asyncio.Event(), asyncio.Event()
+    release = "announce"
+    async with (
+        connect(db_url) as listener,
+        connect(db_url) as writer,
+        running_worker(db_url, registry, release=release) as w,
+    ):
+        await listener.execute(f"LISTEN {RUN_EVENTS}")
+
+        async def quiet() -> bool:  # the announcement came due and, if any, was sent
+            return w.producer.unannounced == {} and not w.producer.announcing
+
+        try:
+            sub = admission.Submission(play="quick", params={}, release=release)
+            done = (await admission.submit(writer, sub)).run_id
+
+            async def succeeded() -> bool:
+                return (await runs.get(writer, done)).state == "succeeded"
+
+            await eventually(succeeded)
+            await eventually(quiet)  # claimed, so the announcement was planned and came due
+            assert w.stats["announced"] == 0
+            # run_created, then the final write: the claim's own statement said nothing.
+            assert naming(await until_sentinel(listener, writer, RUN_EVENTS), done) == 2
+
+            sub = admission.Submission(play="held", params={}, release=release)
+            playing = (await admission.submit(writer, sub)).run_id
+            await asyncio.wait_for(started["held"].wait(), DEADLINE_S)
+
+            async def announced() -> bool:
+                return w.stats["announced"] == 1
+
+            await eventually(announced)
+            await eventually(quiet)
+            # run_created and the announcement, while the play still waits.
+            assert naming(await until_sentinel(listener, writer, RUN_EVENTS), playing) == 2
+            assert not held["held"].is_set()
+        finally:
+            held["held"].set()

@@ -126,3 +126,14 @@ BEGIN
     RETURN coalesce(cardinality(p_events), 0);
 END;
 $$;
+
+-- A claim's form (migration 0040): p_notify false leaves the NOTIFY to its worker.
+CREATE OR REPLACE FUNCTION wq_ledger_lifecycle(p_events wq_events[], p_notify boolean)
+    RETURNS integer
+    LANGUAGE plpgsql
+    AS $$
+BEGIN
+    PERFORM wq_ledger_appended(p_events, p_notify);
+    RETURN coalesce(cardinality(p_events), 0);
+END;
+$$;
