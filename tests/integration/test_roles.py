@@ -133,6 +133,9 @@ async def test_the_worker_role_runs_the_queue_but_no_ddl_and_no_os_commands(
             return state == "succeeded" and worker.stats["succeeded"] == 1
 
         await eventually(done)
+    # And announce the runs it claimed (worker.producer; a quick play is never announced).
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        await runs.announce(conn, [admitted.run_id])
 
 
 async def test_the_reader_role_reads_and_writes_nothing(
