@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import psycopg
 import structlog
 
 from queues import runs, transport
@@ -264,7 +265,7 @@ class Producer:
             async with self._connection() as conn:
                 await runs.announce(conn, run_ids)
             self.stats["announced"] += len(run_ids)
-        except TRANSIENT as exc:
+        except (*TRANSIENT, psycopg.Error) as exc:  # a hint: the listeners' poll covers it
             log.warning("announce_failed", runs=len(run_ids), error=repr(exc)[:300])
 
     def stop_announcing(self) -> None:

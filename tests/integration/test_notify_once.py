@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from queues import admission, lanes, runs, transport
 from tests.workers import eventually, running_worker
@@ -285,3 +286,43 @@ async def test_a_worker_announces_a_run_still_playing_and_not_one_that_ended(
             assert not held["held"].is_set()
         finally:
             held["held"].set()
+
+
+async def test_a_refused_announcement_is_dropped_and_the_run_goes_on(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An announcement is a hint: one the database refuses is logged and dropped (the
+    listeners' poll covers it); the claimed run plays and ends as ever."""
+    from worker import producer
+
+    refused: list[list[uuid.UUID]] = []
+
+    async def refuse(conn: Conn, run_ids: list[uuid.UUID]) -> None:
+        refused.append(list(run_ids))
+        raise psycopg.errors.InsufficientPrivilege("permission denied for function")
+
+    monkeypatch.setattr(producer.runs, "announce", refuse)
+    held["held"], started["held"] = asyncio.Event(), asyncio.Event()
+    release = "announce-refused"
+    async with connect(db_url) as writer, running_worker(db_url, registry, release=release) as w:
+        try:
+            with capture_logs() as logs:
+                sub = admission.Submission(play="held", params={}, release=release)
+                run_id = (await admission.submit(writer, sub)).run_id
+                await asyncio.wait_for(started["held"].wait(), DEADLINE_S)
+
+                async def tried() -> bool:
+                    return bool(refused) and not w.producer.announcing
+
+                await eventually(tried)
+            assert refused == [[run_id]] and w.stats["announced"] == 0
+            # Handled in the announcing task (not left to the loop as never retrieved).
+            failed = [line for line in logs if line["event"] == "announce_failed"]
+            assert [line["runs"] for line in failed] == [1], logs
+        finally:
+            held["held"].set()
+
+        async def succeeded() -> bool:
+            return (await runs.get(writer, run_id)).state == "succeeded"
+
+        await eventually(succeeded)
