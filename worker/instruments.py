@@ -80,12 +80,10 @@ def _child(metric: Histogram | Counter, *labels: str) -> Any:
 
 def picked_up(c: runs.Claimed) -> None:
     """Observe the pickup latency of a run's first attempt (retries wait on purpose)."""
-    if c.attempt != 1 or c.cleanup or c.created_at is None:
+    claimed_at = c.claimed_at
+    if c.attempt != 1 or c.cleanup or c.created_at is None or claimed_at is None:
         return
-    if c.lease_expires_at is None or c.lease_ttl_s is None:
-        return
-    # The claim's time is its lease's end less the lease's length (runs.Claimed.claimed_at).
-    latency = (c.lease_expires_at - c.created_at).total_seconds() - c.lease_ttl_s
+    latency = (claimed_at - c.created_at).total_seconds()
     _child(PICKUP_LATENCY, c.lane or "").observe(max(0.0, latency))
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import psycopg
@@ -88,9 +88,9 @@ class Producer:
         self.claim_lock = asyncio.Lock()  # one claim at a time (claim)
         self.idle = False  # the claim loop waits for a wake (claim_woken)
         self.poll: asyncio.Timeout | None = None  # the end of that wait (its poll)
-        self.passing: set[asyncio.Task[None]] = set()  # wakes being passed on
+        # Wakes being passed on and announcements under way (the stop waits for them).
+        self.background: set[asyncio.Task[None]] = set()
         self.unannounced: dict[uuid.UUID, int] = {}  # claimed, not announced: run -> attempt
-        self.announcing: set[asyncio.Task[None]] = set()  # announcements under way
         self._announcement: asyncio.TimerHandle | None = None  # the next one
         self.procrastinate_id: int | None = None  # the worker's row in procrastinate's table
 
@@ -102,9 +102,7 @@ class Producer:
         if targeted:
             self.targeted = True
             if self._stopping.is_set() or self.slots.room() <= 0:
-                passing = asyncio.create_task(self.pass_on())
-                self.passing.add(passing)
-                passing.add_done_callback(self.passing.discard)
+                self._in_background(self.pass_on())
         if not await self.claim_woken():
             self.wake.set()
 
@@ -256,9 +254,12 @@ class Producer:
             ) or ahead.get(run_id) == attempt_no:
                 due.append(run_id)
         if due and not self._stopping.is_set():
-            task = asyncio.create_task(self._announce(due))
-            self.announcing.add(task)
-            task.add_done_callback(self.announcing.discard)
+            self._in_background(self._announce(due))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
 
     async def _announce(self, run_ids: list[uuid.UUID]) -> None:
         try:

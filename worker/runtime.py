@@ -324,11 +324,7 @@ class Worker:
         # bound, then dropped.
         self.producer.stop_announcing()
         checking = self.control.checking
-        pending = [
-            *self.producer.passing,
-            *self.producer.announcing,
-            *([checking] if checking is not None else []),
-        ]
+        pending = [*self.producer.background, *([checking] if checking is not None else [])]
         await record_stop(self.clock, self.pool, self.s.worker_id, pending)
         log.info("worker_stopped", **self.stats)
         if self.downtime.lost is not None:

@@ -257,7 +257,7 @@ async def test_a_worker_announces_a_run_still_playing_and_not_one_that_ended(
         await listener.execute(f"LISTEN {RUN_EVENTS}")
 
         async def quiet() -> bool:  # the announcement came due and, if any, was sent
-            return w.producer.unannounced == {} and not w.producer.announcing
+            return w.producer.unannounced == {} and not w.producer.background
 
         try:
             sub = admission.Submission(play="quick", params={}, release=release)
@@ -312,7 +312,7 @@ async def test_a_refused_announcement_is_dropped_and_the_run_goes_on(
                 await asyncio.wait_for(started["held"].wait(), DEADLINE_S)
 
                 async def tried() -> bool:
-                    return bool(refused) and not w.producer.announcing
+                    return bool(refused) and not w.producer.background
 
                 await eventually(tried)
             assert refused == [[run_id]] and w.stats["announced"] == 0
