@@ -11,9 +11,12 @@ stored event.
 **The progress projection** (``wq_progress``, what ``worker observe`` reads) is folded from
 the events by the statement that appends them (the built-in ``progress`` sink: a trigger,
 migration 0030): it commits with them, so it is never behind the ledger while that sink is
-enabled. Every column only moves forward, so the folds of concurrent statements converge.
-A run's ``run_created`` is not folded: admission writes no progress row, and a run without
-one is queued with no rows (the row appears with the run's next event).
+enabled, but for two events the run row stands for. A run's ``run_created`` is not folded:
+admission writes no progress row, and a run without one is queued with no rows (the row
+appears with the run's next event). An attempt's start is folded by its worker's
+announcement a moment after the claim (:func:`queues.runs.announce`), unless an HTTP sink
+is enabled (then by the claim). Every column only moves forward, so the folds of
+concurrent or late statements converge.
 
 **The outbox** (``wq_outbox``) holds one delivery per (event, HTTP sink enabled when it was
 appended), written by the same trigger. Each event is POSTed as JSON with the header

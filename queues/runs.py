@@ -258,10 +258,12 @@ async def claim(
     Inside a caller's transaction both statements are part of it, and nothing commits
     lazily.
 
-    The claim does not NOTIFY ``wq_run_events`` (migration 0040): on an idle worker that
-    NOTIFY was a third of the way from a spawn to the play's first line. The caller
+    The claim does not NOTIFY ``wq_run_events`` nor fold the starts into the progress
+    sink (migrations 0040, 0041; with an HTTP sink enabled it delivers and folds): on an
+    idle worker those were half the way from a spawn to the play's first line. The caller
     announces the attempts it started (:func:`announce`) once the plays are under way;
-    the listeners' poll covers an announcement never made.
+    the listeners' poll covers an announcement never made, and the run's next state event
+    its fold.
     """
     own = own_transaction(conn)
     params = {
@@ -293,8 +295,10 @@ async def claim(
 
 
 async def announce(conn: psycopg.AsyncConnection[Any], run_ids: Sequence[uuid.UUID]) -> None:
-    """NOTIFY ``wq_run_events`` for runs whose ledgers changed without a notification:
-    the attempts a claim started (:func:`claim`). Writes nothing."""
+    """Announce the attempts a claim started (:func:`claim`), which its statement neither
+    notifies nor folds: NOTIFY ``wq_run_events`` for these runs and fold each one's current
+    attempt start into the progress sink (``run_announce``; a fold only moves forward, so
+    a late one is harmless). Locks no run row."""
     await conn.execute(q("run_announce"), {"runs": [str(r) for r in run_ids]})
 
 

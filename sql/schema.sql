@@ -1244,7 +1244,11 @@ CREATE FUNCTION public.wq_ledger_lifecycle(p_events public.wq_events[], p_notify
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    PERFORM wq_ledger_appended(p_events, p_notify);
+    IF p_notify THEN
+        PERFORM wq_ledger_appended(p_events, true);
+    ELSIF EXISTS (SELECT 1 FROM wq_sinks s WHERE s.enabled AND s.kind <> 'progress') THEN
+        PERFORM wq_ledger_appended(p_events, false);
+    END IF;
     RETURN coalesce(cardinality(p_events), 0);
 END;
 $$;

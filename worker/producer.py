@@ -9,9 +9,10 @@ ready). A wake meant for this worker alone that comes with no room is passed on 
 lanes' other claimers (:meth:`pass_on`, migration 0032). Claimed runs start while slots
 are free (:meth:`fill`, through ``start``, the executor's); the rest wait claimed ahead,
 and those claimed ahead for short plays that still wait after a hold are handed back
-(:meth:`expire_ahead`). The claim's statement does not notify ``wq_run_events``; the runs
-it took are announced :data:`ANNOUNCE_AFTER_S` later, in one statement, but those whose
-final write (which notifies) is already under way by then (:meth:`announce`).
+(:meth:`expire_ahead`). The claim's statement neither notifies ``wq_run_events`` nor
+folds the starts into the progress sink; the runs it took are announced
+:data:`ANNOUNCE_AFTER_S` later, in one statement, but those whose final write (which
+notifies and folds) is already under way by then (:meth:`announce`).
 
 Its signals: ``wake`` (look for work now), ``capacity`` (a slot freed), ``targeted`` (a
 wake for this worker alone came since its last claim), ``idle`` (the loop waits for work)
@@ -41,8 +42,9 @@ log = structlog.get_logger("worker.producer")
 AHEAD_HOLD_FACTOR = 20
 # A listening worker's first claim waits this long at most for its liveness lock.
 FIRST_CLAIM_WAIT_S = 5.0
-# The runs a claim took are announced to wq_run_events' listeners this long after it:
-# off the way to the play's first line, and never for a run that ended by then.
+# The runs a claim took are announced (wq_run_events' listeners, the progress sink) this
+# long after it: off the way to the play's first line, and never for a run that ended by
+# then.
 ANNOUNCE_AFTER_S = 0.1
 
 
@@ -239,10 +241,12 @@ class Producer:
 
     def announce(self) -> None:
         """Announce the runs claimed since the last announcement that this worker still
-        runs or holds claimed ahead, their final writes not begun: one NOTIFY of
-        ``wq_run_events`` for their started attempts (:func:`queues.runs.announce`). A run
-        that ended or began its final write is left out: that write notifies. Best effort:
-        an announcement lost to an outage or a stop leaves the listeners their poll."""
+        runs or holds claimed ahead, their final writes not begun: one statement that
+        NOTIFYs ``wq_run_events`` for their started attempts and folds the starts into the
+        progress sink (:func:`queues.runs.announce`). A run that ended or began its final
+        write is left out: that write notifies and folds. Best effort: an announcement lost
+        to an outage or a stop leaves the listeners their poll, and the progress row its
+        last state until the run's next state event (the final write, a lapse's)."""
         self._announcement = None
         claimed, self.unannounced = self.unannounced, {}
         ahead = {c.run_id: c.attempt for c in self.slots.ahead}
@@ -270,7 +274,7 @@ class Producer:
             log.warning("announce_failed", runs=len(run_ids), error=repr(exc)[:300])
 
     def stop_announcing(self) -> None:
-        """At the stop: no announcement any more (the final writes notify)."""
+        """At the stop: no announcement any more (the final writes notify and fold)."""
         if self._announcement is not None:
             self._announcement.cancel()
             self._announcement = None

@@ -2,16 +2,20 @@
 -- A claim does only what its play needs before it starts (docs/design.md, section 7:
 -- the pickup is the claim's round trip).
 --
--- 1. Its statement no longer NOTIFYs wq_run_events. A NOTIFY makes the commit queue the
---    notification under the cluster's one notify lock and wake every session that
---    LISTENs in the database (the worker's own LISTEN session among them), on the way to
---    the play's first line: about half a millisecond of an idle worker's pickup. The
---    claim passes `false` to wq_ledger_lifecycle's new second argument, and its worker
---    announces the runs it started a moment later, unless their final writes (which
---    notify) came first (worker.producer). The one-argument form stays for every other
---    statement and the previous release. Until the ledger's contract step (0041) the
---    events are still stored, and the stored rows' trigger notifies them as before; from
---    the step on, the second argument decides.
+-- 1. Its statement no longer NOTIFYs wq_run_events, nor folds its start into the progress
+--    sink. A NOTIFY makes the commit queue the notification under the cluster's one
+--    notify lock and wake every session that LISTENs in the database (the worker's own
+--    LISTEN session among them), on the way to the play's first line: about half a
+--    millisecond of an idle worker's pickup; the fold (an upsert of the run's progress
+--    row and the statements that decide it) about a fifth of one. The claim passes
+--    `false` to wq_ledger_lifecycle's new second argument, and its worker announces the
+--    runs it started a moment later (run_announce: the NOTIFY and the fold of each run's
+--    current attempt start), unless their final writes (which notify and fold) came
+--    first (worker.producer). Deliveries to HTTP sinks are not deferred: with one
+--    enabled, the claim's statement writes them (and folds, as before). The one-argument
+--    form stays for every other statement and the previous release. Until the ledger's
+--    contract step (0041) the events are still stored, and the stored rows' trigger
+--    notifies and folds them as before; from the step on, the second argument decides.
 -- 2. The take probes a lane for a second org only when its walk came back full. A walk
 --    that took fewer jobs than asked for took every due job nobody else holds, of every
 --    org: there is no one to be fair to (and an idle worker's claim, one job, is that

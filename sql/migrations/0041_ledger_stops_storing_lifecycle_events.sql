@@ -127,13 +127,19 @@ BEGIN
 END;
 $$;
 
--- A claim's form (migration 0040): p_notify false leaves the NOTIFY to its worker.
+-- A claim's form (migration 0040): p_notify false leaves the NOTIFY and the progress fold
+-- to its worker's announcement (run_announce); the deliveries to HTTP sinks stay in the
+-- claim's statement (with one enabled, the fold comes along: one call does both).
 CREATE OR REPLACE FUNCTION wq_ledger_lifecycle(p_events wq_events[], p_notify boolean)
     RETURNS integer
     LANGUAGE plpgsql
     AS $$
 BEGIN
-    PERFORM wq_ledger_appended(p_events, p_notify);
+    IF p_notify THEN
+        PERFORM wq_ledger_appended(p_events, true);
+    ELSIF EXISTS (SELECT 1 FROM wq_sinks s WHERE s.enabled AND s.kind <> 'progress') THEN
+        PERFORM wq_ledger_appended(p_events, false);
+    END IF;
     RETURN coalesce(cardinality(p_events), 0);
 END;
 $$;

@@ -152,10 +152,25 @@ SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NU
  WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.job_id = t.id);
 
 -- name: run_announce :exec
--- Tell `wq_run_events` listeners that these runs' ledgers changed: the attempts a claim
--- started, which its statement does not notify (migration 0040). The same NOTIFY as an
--- append's (wq_ledger_appended: run ids, 200 per notification), nothing written.
-SELECT wq_ledger_appended(ARRAY[]::wq_events[], true, %(runs)s::text[]);
+-- Announce the attempts a claim started, which its statement neither notifies nor folds
+-- (migrations 0040, 0041): NOTIFY `wq_run_events` for these runs (wq_ledger_appended: run
+-- ids, 200 per notification) and fold each one's current attempt start into the progress
+-- sink, read from the attempt row that stands for it. The fold only moves forward, so a
+-- start folded after the run's later events changes nothing. With an HTTP sink enabled
+-- the claim delivered and folded the start itself, and nothing is folded here (no
+-- delivery is written twice). Locks no run row; progress rows in run id order.
+SELECT wq_ledger_appended(
+           coalesce(array_agg(wq_ledger_event(
+                        a.run_id, a.start_seq, a.attempt,
+                        CASE WHEN a.cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
+                        jsonb_build_object('worker', a.worker_id))
+                    ORDER BY a.run_id), ARRAY[]::wq_events[]),
+           true, %(runs)s::text[])
+  FROM wq_runs r
+  JOIN wq_attempts a ON a.run_id = r.id AND a.attempt = r.attempt
+ WHERE r.id = ANY (%(runs)s::uuid[])
+   AND a.start_seq IS NOT NULL
+   AND NOT EXISTS (SELECT 1 FROM wq_sinks s WHERE s.enabled AND s.kind <> 'progress');
 
 -- name: job_drop :exec
 -- Settle deliveries a claim dropped, in a statement of their own (rare: the claim itself

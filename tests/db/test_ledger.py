@@ -535,6 +535,7 @@ async def test_observe_reads_the_projection_and_a_finished_run_its_own_counters(
     conn: Conn,
 ) -> None:
     a = await attempts.start(conn, inputs=page("k1", "k2", "k3", "k4"))
+    await runs.announce(conn, [a.run_id])  # its worker's announcement folds the start
     version = (
         await sheets.admit_page(
             conn, org=ORG, sheet="s", fence=a.fence, rows=page("k1", "k2"), stable_intent=True
@@ -644,12 +645,13 @@ async def test_concurrent_appends_to_one_run_leave_an_exact_projection(db_url: s
     assert (seen.last_event_seq, seen.ledger_seq, seen.behind) == (101, 101, False)
 
 
-async def test_concurrent_claims_fold_their_runs_without_waiting_on_each_other(
+async def test_concurrent_announcements_fold_their_runs_without_waiting_on_each_other(
     db_url: str,
 ) -> None:
     """Real connections, committed rows: four workers claim one lane's 40 runs in batches
-    of 7 at once; each claim folds its runs (in run id order); every run is claimed once and
-    its projection says running, at its attempt_started event."""
+    of 7 at once, each announcing its batch as it goes (the folds, in run id order, while
+    the others claim); every run is claimed once and its projection says running, at its
+    attempt_started event."""
     release = f"progress-race-{uuid.uuid4().hex[:8]}"
     async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as setup:
         admitted = {await attempts.admit(setup, release=release) for _ in range(40)}
@@ -664,7 +666,9 @@ async def test_concurrent_claims_fold_their_runs_without_waiting_on_each_other(
                 limit=7,
                 plays=[PLAY],
             ):
-                got += [r.run_id for r in claimed if r.claimed]
+                mine = [r.run_id for r in claimed if r.claimed]
+                await runs.announce(c, mine)
+                got += mine
         return got
 
     taken = [

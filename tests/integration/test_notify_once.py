@@ -1,6 +1,7 @@
 """Notifications once per statement, procrastinate's job history only where it is read
-(migration 0026), a claim's started attempts announced by its worker instead of its
-statement (migration 0040), on real committing connections.
+(migration 0026), a claim's started attempts announced (notified and folded into the
+progress sink) by its worker instead of its statement (migrations 0040, 0041), on real
+committing connections.
 
 Notifications are counted up to a sentinel NOTIFY sent after the statement under test
 committed: Postgres delivers a session's notifications in commit order, so everything the
@@ -19,7 +20,7 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from queues import admission, lanes, runs, transport
+from queues import admission, lanes, ledger, runs, transport
 from tests.workers import eventually, running_worker
 from worker.context import RunContext
 from worker.plays import Registry
@@ -215,11 +216,62 @@ async def test_a_claim_notifies_nothing_and_its_announcement_names_its_runs(
         assert sorted(c.run_id for c in claimed if c.claimed) == sorted(a.run_id for a in admitted)
         # The attempts started (their ledgers show attempt_started), and nobody was told.
         assert await until_sentinel(listener, writer, RUN_EVENTS) == []
+        # Nor folded into the progress sink (admission folds nothing: no row yet).
+        assert [await ledger.progress(writer, a.run_id) for a in admitted] == [None] * 3
         await runs.announce(writer, [c.run_id for c in claimed])
         notes = await until_sentinel(listener, writer, RUN_EVENTS)
         assert [sorted(n.payload.split(",")) for n in notes] == [
             sorted(str(a.run_id) for a in admitted)
         ]
+        # The announcement folded each start, from the attempt row that stands for it.
+        for a in admitted:
+            seen = await ledger.progress(writer, a.run_id)
+            assert seen is not None
+            assert (seen.state, seen.attempt, seen.last_event_seq) == ("running", 1, 2)
+            assert not seen.behind
+
+        # A late announcement (the run ended meanwhile) moves nothing back.
+        first = next(c for c in claimed if c.claimed)
+        await writer.execute(
+            "UPDATE wq_runs SET state = 'succeeded', finished_at = now(), lease_owner = NULL,"
+            " job_id = NULL WHERE id = %s",
+            (first.run_id,),
+        )
+        await writer.execute(
+            "INSERT INTO wq_events (run_id, attempt, kind, data)"
+            " VALUES (%s, 1, 'run_succeeded', '{}')",
+            (first.run_id,),
+        )
+        await runs.announce(writer, [first.run_id])
+        seen = await ledger.progress(writer, first.run_id)
+        assert seen is not None and (seen.state, seen.last_event_seq) == ("succeeded", 3)
+
+
+async def test_with_an_http_sink_the_claim_delivers_and_folds_its_starts_itself(
+    db_url: str,
+) -> None:
+    """A delivery is never deferred to the announcement (a worker may die first): with an
+    HTTP sink that wants the start, the claim's statement writes its delivery and folds
+    it; the announcement then writes nothing twice."""
+    async with connect(db_url) as writer:
+        await lanes.prepare(writer, RELEASE)
+        await ledger.add_sink(writer, "crm", "https://crm.example/hook", ["attempt_started"])
+        sub = admission.Submission(play="p", params={}, release=RELEASE)
+        run_id = (await admission.submit(writer, sub)).run_id
+        [claimed] = await runs.claim(writer, lanes=[LANE], worker_id="w1", limit=1, plays=["p"])
+        assert claimed.claimed
+
+        async def deliveries() -> list[tuple[int, str]]:
+            cur = await writer.execute(
+                "SELECT seq, sink FROM wq_outbox WHERE run_id = %s ORDER BY seq", (run_id,)
+            )
+            return [(seq, sink) for seq, sink in await cur.fetchall()]
+
+        assert await deliveries() == [(2, "crm")]
+        seen = await ledger.progress(writer, run_id)
+        assert seen is not None and (seen.state, seen.last_event_seq) == ("running", 2)
+        await runs.announce(writer, [run_id])
+        assert await deliveries() == [(2, "crm")]
 
 
 registry = Registry()
@@ -283,6 +335,12 @@ async def test_a_worker_announces_a_run_still_playing_and_not_one_that_ended(
             await eventually(quiet)
             # run_created and the announcement, while the play still waits.
             assert naming(await until_sentinel(listener, writer, RUN_EVENTS), playing) == 2
+            # The progress sink: the quick run's final write folded it, the announcement
+            # the playing one's start.
+            ended = await ledger.progress(writer, done)
+            assert ended is not None and ended.state == "succeeded"
+            seen = await ledger.progress(writer, playing)
+            assert seen is not None and (seen.state, seen.attempt) == ("running", 1)
             assert not held["held"].is_set()
         finally:
             held["held"].set()
