@@ -298,7 +298,8 @@ async def announce(conn: psycopg.AsyncConnection[Any], run_ids: Sequence[uuid.UU
     """Announce the attempts a claim started (:func:`claim`), which its statement neither
     notifies nor folds: NOTIFY ``wq_run_events`` for these runs and fold each one's current
     attempt start into the progress sink (``run_announce``; a fold only moves forward, so
-    a late one is harmless). Locks no run row."""
+    a late one is harmless). Takes the run rows FOR KEY SHARE first, in id order, then
+    the progress rows: every folder's lock order."""
     await conn.execute(q("run_announce"), {"runs": [str(r) for r in run_ids]})
 
 

@@ -158,7 +158,19 @@ SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NU
 -- sink, read from the attempt row that stands for it. The fold only moves forward, so a
 -- start folded after the run's later events changes nothing. With an HTTP sink enabled
 -- the claim delivered and folded the start itself, and nothing is folded here (no
--- delivery is written twice). Locks no run row; progress rows in run id order.
+-- delivery is written twice).
+-- Lock order, every folder's: the runs, then their progress rows, each in run id order.
+-- The run rows FOR KEY SHARE come first: the fold's insert checks its foreign key with that
+-- lock only at the statement's end, after writing the progress rows, so a finish holding
+-- one of the runs and folding into its progress row would wait for this statement while
+-- this one waited for the finish (tests/integration/test_notify_once.py).
+WITH announced AS MATERIALIZED (
+    SELECT r.id, r.attempt
+      FROM wq_runs r
+     WHERE r.id = ANY (%(runs)s::uuid[])
+     ORDER BY r.id
+       FOR KEY SHARE OF r
+)
 SELECT wq_ledger_appended(
            coalesce(array_agg(wq_ledger_event(
                         a.run_id, a.start_seq, a.attempt,
@@ -166,10 +178,9 @@ SELECT wq_ledger_appended(
                         jsonb_build_object('worker', a.worker_id))
                     ORDER BY a.run_id), ARRAY[]::wq_events[]),
            true, %(runs)s::text[])
-  FROM wq_runs r
+  FROM announced r
   JOIN wq_attempts a ON a.run_id = r.id AND a.attempt = r.attempt
- WHERE r.id = ANY (%(runs)s::uuid[])
-   AND a.start_seq IS NOT NULL
+ WHERE a.start_seq IS NOT NULL
    AND NOT EXISTS (SELECT 1 FROM wq_sinks s WHERE s.enabled AND s.kind <> 'progress');
 
 -- name: job_drop :exec

@@ -20,7 +20,8 @@ import psycopg
 import pytest
 from structlog.testing import capture_logs
 
-from queues import admission, lanes, ledger, runs, transport
+from queues import admission, lanes, ledger, outcomes, runs, transport
+from queues.outcomes import FinishStatus
 from tests.workers import eventually, running_worker
 from worker.context import RunContext
 from worker.plays import Registry
@@ -272,6 +273,50 @@ async def test_with_an_http_sink_the_claim_delivers_and_folds_its_starts_itself(
         assert seen is not None and (seen.state, seen.last_event_seq) == ("running", 2)
         await runs.announce(writer, [run_id])
         assert await deliveries() == [(2, "crm")]
+
+
+async def test_an_announcement_and_a_finish_of_its_runs_do_not_deadlock(db_url: str) -> None:
+    """A finish holds a run's row and folds into its progress row; an announcement of that
+    run and an earlier one runs meanwhile. The announcement takes the run rows first, so
+    it waits for the finish holding nothing the finish needs. (Folding first, it wrote both
+    progress rows, then waited for the run's row in its foreign key check while the finish
+    waited for the progress row it had written: a deadlock, one of them failed.)"""
+    async with (
+        connect(db_url) as setup,
+        connect(db_url) as announcing,
+        await psycopg.AsyncConnection.connect(db_url) as finishing,
+    ):
+        await lanes.prepare(setup, RELEASE)
+        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(2)]
+        await admission.submit_many(setup, subs)
+        claimed = await runs.claim(setup, lanes=[LANE], worker_id="w1", limit=2, plays=["p"])
+        first, last = sorted(c.run_id for c in claimed if c.claimed)
+
+        # The finish's transaction holds the later run's row.
+        await finishing.execute("SELECT 1 FROM wq_runs WHERE id = %s FOR UPDATE", (last,))
+        announcement = asyncio.create_task(runs.announce(announcing, [first, last]))
+        pid = announcing.pgconn.backend_pid
+
+        async def blocked() -> bool:
+            cur = await setup.execute(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+            )
+            row = await cur.fetchone()
+            return bool(row and row[0])
+
+        await eventually(blocked, timeout=DEADLINE_S)
+        statuses = await runs.finish(
+            finishing, worker_id="w1", finishes=[outcomes.succeeded(last, 1, {})]
+        )
+        assert list(statuses.values()) == [FinishStatus.APPLIED]
+        await finishing.commit()
+        await asyncio.wait_for(announcement, DEADLINE_S)
+
+        states = [await ledger.progress(setup, run_id) for run_id in (first, last)]
+        assert [(p.state, p.attempt) for p in states if p is not None] == [
+            ("running", 1),
+            ("succeeded", 1),
+        ]
 
 
 registry = Registry()
