@@ -12,7 +12,8 @@ and those claimed ahead for short plays that still wait after a hold are handed 
 (:meth:`expire_ahead`). The claim's statement neither notifies ``wq_run_events`` nor
 folds the starts into the progress sink; the runs it took are announced
 :data:`ANNOUNCE_AFTER_S` later, in one statement, but those whose final write (which
-notifies and folds) is already under way by then (:meth:`announce`).
+notifies and folds) is already under way by then; a run claimed ahead once it plays
+(:meth:`announce`).
 
 Its signals: ``wake`` (look for work now), ``capacity`` (a slot freed), ``targeted`` (a
 wake for this worker alone came since its last claim), ``idle`` (the loop waits for work)
@@ -208,10 +209,8 @@ class Producer:
                     self.stats["dropped"] += 1
                     log.info("delivery_dropped", run_id=str(c.run_id), job_id=c.job_id)
             self.fill()
-            if got and self._announcement is None:
-                self._announcement = asyncio.get_running_loop().call_later(
-                    ANNOUNCE_AFTER_S, self.announce
-                )
+            if got:
+                self._plan_announcement()
             if self.slots.ahead and not self.slots.prefetch_setting:
                 # Claimed ahead for short plays: those still waiting when the hold ends go
                 # back to the lane, where another worker may take them.
@@ -239,24 +238,34 @@ class Producer:
         except TRANSIENT as exc:  # the others' polls take the job
             log.warning("wake_pass_on_failed", error=repr(exc)[:300])
 
+    def _plan_announcement(self) -> None:
+        if self._announcement is None and not self._stopping.is_set():
+            self._announcement = asyncio.get_running_loop().call_later(
+                ANNOUNCE_AFTER_S, self.announce
+            )
+
     def announce(self) -> None:
         """Announce the runs claimed since the last announcement that this worker still
-        runs or holds claimed ahead, their final writes not begun: one statement that
-        NOTIFYs ``wq_run_events`` for their started attempts and folds the starts into the
+        plays, their final writes not begun: one statement that NOTIFYs
+        ``wq_run_events`` for their started attempts and folds the starts into the
         progress sink (:func:`queues.runs.announce`). A run that ended or began its final
-        write is left out: that write notifies and folds. Best effort: an announcement lost
-        to an outage or a stop leaves the listeners their poll, and the progress row its
-        last state until the run's next state event (the final write, a lapse's)."""
+        write is left out: that write notifies and folds. A run still claimed ahead is
+        looked at again at the next announcement: announced once it plays, never if it is
+        handed back first (the hand-back's write notifies). Best effort: an announcement
+        lost to an outage or a stop leaves the listeners their poll, and the progress row
+        its last state until the run's next state event (the final write, a lapse's)."""
         self._announcement = None
         claimed, self.unannounced = self.unannounced, {}
         ahead = {c.run_id: c.attempt for c in self.slots.ahead}
         due = []
         for run_id, attempt_no in claimed.items():
             live = self.slots.live.get(run_id)
-            if (
-                live is not None and live.claimed.attempt == attempt_no and not live.finishing
-            ) or ahead.get(run_id) == attempt_no:
+            if live is not None and live.claimed.attempt == attempt_no and not live.finishing:
                 due.append(run_id)
+            elif ahead.get(run_id) == attempt_no:
+                self.unannounced[run_id] = attempt_no
+        if self.unannounced:
+            self._plan_announcement()
         if due and not self._stopping.is_set():
             self._in_background(self._announce(due))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from structlog.testing import capture_logs
 from queues import admission, lanes, ledger, outcomes, runs, transport
 from queues.outcomes import FinishStatus
 from tests.workers import eventually, running_worker
+from worker import producer
 from worker.context import RunContext
 from worker.plays import Registry
 
@@ -335,6 +336,12 @@ async def held_play(ctx: RunContext, params: dict[str, Any]) -> None:
     await held["held"].wait()
 
 
+@registry.play("gated")
+async def gated(ctx: RunContext, params: dict[str, Any]) -> None:
+    started[params["gate"]].set()
+    await held[params["gate"]].wait()
+
+
 def naming(notes: list[psycopg.Notify], run_id: uuid.UUID) -> int:
     return sum(str(run_id) in n.payload.split(",") for n in notes)
 
@@ -396,8 +403,6 @@ async def test_a_refused_announcement_is_dropped_and_the_run_goes_on(
 ) -> None:
     """An announcement is a hint: one the database refuses is logged and dropped (the
     listeners' poll covers it); the claimed run plays and ends as ever."""
-    from worker import producer
-
     refused: list[list[uuid.UUID]] = []
 
     async def refuse(conn: Conn, run_ids: list[uuid.UUID]) -> None:
@@ -429,3 +434,55 @@ async def test_a_refused_announcement_is_dropped_and_the_run_goes_on(
             return (await runs.get(writer, run_id)).state == "succeeded"
 
         await eventually(succeeded)
+
+
+async def test_a_run_claimed_ahead_is_announced_once_it_plays(db_url: str) -> None:
+    """A run waiting in the local queue has not started playing: it is looked at again at
+    each announcement and announced (named, its start folded) once it plays."""
+    for gate in ("first", "second"):
+        held[gate], started[gate] = asyncio.Event(), asyncio.Event()
+    release = "announce-ahead"
+    async with (
+        connect(db_url) as writer,
+        running_worker(db_url, registry, release=release, concurrency=1, prefetch=2) as w,
+    ):
+        try:
+            first = await admission.submit(
+                writer,
+                admission.Submission(play="gated", params={"gate": "first"}, release=release),
+            )
+            await asyncio.wait_for(started["first"].wait(), DEADLINE_S)
+            second = await admission.submit(
+                writer,
+                admission.Submission(play="gated", params={"gate": "second"}, release=release),
+            )
+
+            async def claimed_ahead() -> bool:
+                return any(c.run_id == second.run_id for c in w.producer.slots.ahead)
+
+            await eventually(claimed_ahead)
+
+            def announced(n: int) -> Callable[[], Awaitable[bool]]:
+                async def check() -> bool:
+                    return w.stats["announced"] == n and not w.producer.background
+
+                return check
+
+            await eventually(announced(1))
+            # Past two more announcements' times, the run still waits ahead, unannounced.
+            await asyncio.sleep(3 * producer.ANNOUNCE_AFTER_S)
+            assert w.stats["announced"] == 1
+            assert second.run_id in w.producer.unannounced
+            assert (await runs.get(writer, second.run_id)).state == "running"  # leased
+            assert await ledger.progress(writer, second.run_id) is None
+            seen = await ledger.progress(writer, first.run_id)
+            assert seen is not None and seen.state == "running"
+
+            held["first"].set()
+            await asyncio.wait_for(started["second"].wait(), DEADLINE_S)
+            await eventually(announced(2))
+            seen = await ledger.progress(writer, second.run_id)
+            assert seen is not None and (seen.state, seen.attempt) == ("running", 1)
+        finally:
+            held["first"].set()
+            held["second"].set()
