@@ -12,8 +12,8 @@ and those claimed ahead for short plays that still wait after a hold are handed 
 (:meth:`expire_ahead`). The claim's statement neither notifies ``wq_run_events`` nor
 folds the starts into the progress sink; the runs it took are announced
 :data:`ANNOUNCE_AFTER_S` later, in one statement, but those whose final write (which
-notifies and folds) is already under way by then; a run claimed ahead once it plays
-(:meth:`announce`).
+notifies and folds) is already under way by then, and a run claimed ahead once it
+plays (:meth:`announce`).
 
 Its signals: ``wake`` (look for work now), ``capacity`` (a slot freed), ``targeted`` (a
 wake for this worker alone came since its last claim), ``idle`` (the loop waits for work)
