@@ -155,10 +155,10 @@ SELECT false, t.run_id, NULL, NULL, NULL, NULL, NULL, NULL, t.id, NULL, NULL, NU
 -- Announce the attempts a claim started, which its statement neither notifies nor folds
 -- (migrations 0040, 0041): NOTIFY `wq_run_events` for these runs (wq_ledger_appended: run
 -- ids, 200 per notification) and fold each one's current attempt start into the progress
--- sink, read from the attempt row that stands for it. The fold only moves forward, so a
--- start folded after the run's later events changes nothing. With an HTTP sink enabled
--- the claim delivered and folded the start itself, and nothing is folded here (no
--- delivery is written twice).
+-- sink, as the ledger shows it (wq_ledger_state: the attempt row stands for it). The fold
+-- only moves forward, so a start folded after the run's later events changes nothing.
+-- With an HTTP sink enabled the claim delivered and folded the start itself, and nothing
+-- is folded here (no delivery is written twice).
 -- Lock order, every folder's: the runs, then their progress rows, each in run id order.
 -- The run rows FOR KEY SHARE come first: the fold's insert checks its foreign key with that
 -- lock only at the statement's end, after writing the progress rows, so a finish holding
@@ -172,15 +172,14 @@ WITH announced AS MATERIALIZED (
        FOR KEY SHARE OF r
 )
 SELECT wq_ledger_appended(
-           coalesce(array_agg(wq_ledger_event(
-                        a.run_id, a.start_seq, a.attempt,
-                        CASE WHEN a.cleanup THEN 'cleanup_started' ELSE 'attempt_started' END,
-                        jsonb_build_object('worker', a.worker_id))
-                    ORDER BY a.run_id), ARRAY[]::wq_events[]),
+           coalesce(array_agg(wq_ledger_event(e.run_id, e.seq, e.attempt, e.kind, e.data)
+                              ORDER BY e.run_id), ARRAY[]::wq_events[]),
            true, %(runs)s::text[])
   FROM announced r
-  JOIN wq_attempts a ON a.run_id = r.id AND a.attempt = r.attempt
- WHERE a.start_seq IS NOT NULL
+  JOIN wq_ledger_state e
+    ON e.run_id = r.id AND e.attempt = r.attempt
+   AND e.kind IN ('attempt_started', 'cleanup_started')
+ WHERE e.run_id = ANY (%(runs)s::uuid[])  -- the view's branches read by key
    AND NOT EXISTS (SELECT 1 FROM wq_sinks s WHERE s.enabled AND s.kind <> 'progress');
 
 -- name: job_drop :exec

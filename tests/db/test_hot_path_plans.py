@@ -171,6 +171,25 @@ async def test_a_claims_statements_are_never_compiled(conn: Conn, orgs: int, gen
     assert all(p.jit_off for p in statements(checked, take))
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+async def test_an_announcement_reads_its_runs_by_key(conn: Conn, generic: bool) -> None:
+    """The worker's announcement of what it claimed (the NOTIFY and the progress folds)
+    finds its runs' start events through the ledger's view by key, whatever the history."""
+    await finished_history(conn, HISTORY)
+    claimed = await runs.claim(
+        conn, lanes=[lanes.lane_name(RELEASE)], worker_id="w1", limit=3, plays=["p"]
+    )
+    started = [c.run_id for c in claimed if c.claimed]
+    assert len(started) == 3
+    plans = await hot_plans(conn, *(["plan_cache_mode = force_generic_plan"] if generic else []))
+    with prepared_at_once(conn) if generic else contextlib.nullcontext():
+        await runs.announce(conn, started)
+    await stop_explaining(conn)
+    assert statements(held_to_the_rule(plans), "WITH announced AS"), plans
+    folded = [await ledger.progress(conn, run_id) for run_id in started]
+    assert [p.state for p in folded if p is not None] == ["running"] * 3
+
+
 # ---- the heartbeat and the finish -----------------------------------------------------
 
 
