@@ -65,6 +65,13 @@ async def new_job_ids(conn: Conn, n: int) -> list[int]:
     return list(row[0])
 
 
+async def admit(conn: Conn, n: int) -> list[admission.Admitted]:
+    """``n`` runs of play ``p`` on the test's lane, admitted in one statement."""
+    await lanes.prepare(conn, RELEASE)
+    subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(n)]
+    return await admission.submit_many(conn, subs)
+
+
 async def test_a_spawn_and_a_release_wake_each_lane_once(db_url: str) -> None:
     async with connect(db_url) as listener, connect(db_url) as writer:
         await transport.listen(listener, [LANE])
@@ -100,12 +107,8 @@ async def test_a_statement_appending_to_many_runs_notifies_once_per_200_runs(
     db_url: str,
 ) -> None:
     async with connect(db_url) as listener, connect(db_url) as writer:
-        await lanes.prepare(writer, RELEASE)
         await listener.execute(f"LISTEN {RUN_EVENTS}")
-        subs = [
-            admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(450)
-        ]
-        admitted = await admission.submit_many(writer, subs)  # 450 run_created, one statement
+        admitted = await admit(writer, 450)  # 450 run_created, one statement
         notes = await until_sentinel(listener, writer, RUN_EVENTS)
         assert len(notes) == 3
         assert all(len(n.payload.encode()) < 8000 for n in notes)
@@ -172,9 +175,7 @@ async def test_a_follower_wakes_on_its_runs_id_in_a_statements_payload(
 
     monkeypatch.setenv("WORKER_OBSERVE_POLL_S", "3600")
     async with connect(db_url) as writer:
-        await lanes.prepare(writer, RELEASE)
-        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(3)]
-        admitted = await admission.submit_many(writer, subs)
+        admitted = await admit(writer, 3)
         mine = admitted[1].run_id
         lines: list[str] = []
         following = asyncio.create_task(
@@ -209,10 +210,8 @@ async def test_a_claim_notifies_nothing_and_its_announcement_names_its_runs(
     db_url: str,
 ) -> None:
     async with connect(db_url) as listener, connect(db_url) as writer:
-        await lanes.prepare(writer, RELEASE)
         await listener.execute(f"LISTEN {RUN_EVENTS}")
-        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(3)]
-        admitted = await admission.submit_many(writer, subs)
+        admitted = await admit(writer, 3)
         assert len(await until_sentinel(listener, writer, RUN_EVENTS)) == 1  # run_created
         claimed = await runs.claim(writer, lanes=[LANE], worker_id="w1", limit=5, plays=["p"])
         assert sorted(c.run_id for c in claimed if c.claimed) == sorted(a.run_id for a in admitted)
@@ -287,9 +286,7 @@ async def test_an_announcement_and_a_finish_of_its_runs_do_not_deadlock(db_url: 
         connect(db_url) as announcing,
         await psycopg.AsyncConnection.connect(db_url) as finishing,
     ):
-        await lanes.prepare(setup, RELEASE)
-        subs = [admission.Submission(play="p", params={"i": i}, release=RELEASE) for i in range(2)]
-        await admission.submit_many(setup, subs)
+        await admit(setup, 2)
         claimed = await runs.claim(setup, lanes=[LANE], worker_id="w1", limit=2, plays=["p"])
         first, last = sorted(c.run_id for c in claimed if c.claimed)
 
